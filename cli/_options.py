@@ -1,0 +1,48 @@
+"""The option vocabulary shared by commands, as `Annotated` aliases."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+
+class WeightFormat(str, Enum):
+    fp32 = "fp32"
+    fp16 = "fp16"
+    int8 = "int8"
+    int4 = "int4"
+
+
+JsonOpt = Annotated[
+    bool, typer.Option("--json", help="Print machine-readable JSON on stdout and nothing else.")
+]
+QuietOpt = Annotated[
+    bool, typer.Option("--quiet", "-q", help="No progress or informational messages on stderr.")
+]
+DebugOpt = Annotated[
+    bool,
+    typer.Option("--debug", help="Show the full traceback on errors (same as DFLASH_DEBUG=1)."),
+]
+WeightFormatOpt = Annotated[
+    WeightFormat,
+    typer.Option("--weight-format", help="Weight precision of the exported model (int8/int4 through NNCF)."),
+]
+DraftWeightFormatOpt = Annotated[
+    Optional[WeightFormat],
+    typer.Option(
+        "--draft-weight-format",
+        help="Weight precision of the draft; defaults to --weight-format.",
+        show_default=False,
+    ),
+]
+TrustRemoteCodeOpt = Annotated[
+    bool,
+    typer.Option("--trust-remote-code", help="Allow custom modelling code from the checkpoint's repository."),
+]
+ExistingDir = Annotated[
+    Path,
+    typer.Argument(exists=True, file_okay=False, dir_okay=True, readable=True, resolve_path=True),
+]

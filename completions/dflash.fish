@@ -1,0 +1,1 @@
+complete --command dflash --no-files --arguments "(env _DFLASH_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=get-args _TYPER_COMPLETE_ARGS=(commandline -cp) dflash)" --condition "env _DFLASH_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=is-args _TYPER_COMPLETE_ARGS=(commandline -cp) dflash"

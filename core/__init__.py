@@ -1,0 +1,1 @@
+"""The dflash engine and the pieces every command shares."""

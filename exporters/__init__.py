@@ -1,0 +1,1 @@
+"""Exporters: Hugging Face targets and DFlash/DSpark drafts to OpenVINO IR."""

@@ -1,0 +1,115 @@
+"""`dflash export`: pick each model's role from its config and export the target, the draft or both."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from dflash.core.errors import InputError, ModelFormatError
+
+StepCallback = Callable[[str], None]
+
+
+@dataclass
+class ExportResult:
+    target_dir: Path | None = None
+    draft_dir: Path | None = None
+    validation: object | None = None  # a ValidationReport when a pair was exported
+    outputs: list[Path] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {
+            "target": str(self.target_dir) if self.target_dir else None,
+            "draft": str(self.draft_dir) if self.draft_dir else None,
+            "validation": self.validation.to_json() if self.validation is not None else None,
+        }
+
+
+def read_source_config(model: str | Path) -> dict:
+    """config.json of a local folder or a hub id (only that file is fetched for a hub id)."""
+    path = Path(model)
+    if path.exists():
+        if not path.is_dir():
+            raise InputError(f"{model} is a file, not a model folder", "pass the folder that holds config.json")
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise InputError(f"{model} has no config.json", "pass a Hugging Face model folder or a hub id")
+    else:
+        try:
+            from huggingface_hub import hf_hub_download
+
+            config_file = Path(hf_hub_download(str(model), "config.json"))
+        except Exception as exc:  # noqa: BLE001 - any hub failure means the same thing to the user
+            raise InputError(
+                f"{model} is neither a local folder nor a reachable hub model ({type(exc).__name__})",
+                "check the path, or the hub id and your network / HF_TOKEN",
+            ) from exc
+    try:
+        return json.loads(config_file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise InputError(f"cannot parse {config_file}: {exc}", "fix or re-download config.json") from exc
+
+
+def export_models(
+    model: str | Path,
+    output_dir: str | Path,
+    *,
+    draft: str | Path | None = None,
+    weight_format: str = "fp16",
+    draft_weight_format: str | None = None,
+    trust_remote_code: bool = False,
+    on_step: StepCallback | None = None,
+) -> ExportResult:
+    """Export MODEL (a target or a draft) to OUTPUT_DIR; with `draft`, the pair to target/ and draft/.
+
+    A pair is validated at the end (the report is returned; the caller decides what a failure means).
+    """
+    config = read_source_config(model)
+    from .roles import detect_role
+
+    output_dir = Path(output_dir)
+    role = detect_role(config)
+    draft_weight_format = draft_weight_format or weight_format
+    result = ExportResult()
+
+    if draft is None:
+        if role == "draft":
+            result.draft_dir = _export_draft(model, output_dir, draft_weight_format, None, on_step)
+        else:
+            result.target_dir = _export_target(model, output_dir, weight_format, trust_remote_code, on_step)
+        return result
+
+    if role != "target":
+        raise ModelFormatError(
+            f"{model} is a draft, but --draft was also given",
+            "pass the target as MODEL and the draft with --draft",
+        )
+    if detect_role(read_source_config(draft)) != "draft":
+        raise ModelFormatError(
+            f"{draft} is not a DFlash/DSpark draft (its config.json names no draft architecture)",
+            "pass a z-lab DFlash (DFlashDraftModel) or DeepSpec DSpark (Qwen3DSparkModel) checkpoint",
+        )
+    result.target_dir = _export_target(model, output_dir / "target", weight_format, trust_remote_code, on_step)
+    hidden = json.loads((result.target_dir / "config.json").read_text()).get("hidden_size")
+    result.draft_dir = _export_draft(draft, output_dir / "draft", draft_weight_format, hidden, on_step)
+
+    from .validate import validate_draft
+
+    if on_step:
+        on_step("Validating the pair")
+    result.validation = validate_draft(result.draft_dir, result.target_dir)
+    return result
+
+
+def _export_target(model, out: Path, weight_format: str, trust_remote_code: bool, on_step) -> Path:
+    from .target import export_target
+
+    return export_target(model, out, weight_format=weight_format, trust_remote_code=trust_remote_code, on_step=on_step)
+
+
+def _export_draft(draft, out: Path, weight_format: str, target_hidden_size: int | None, on_step) -> Path:
+    from .draft import export_draft
+
+    return export_draft(draft, out, weight_format=weight_format, target_hidden_size=target_hidden_size, on_step=on_step)

@@ -1,0 +1,121 @@
+"""Tiny random-weight checkpoints built from configs: for tests, smoke runs and CI.
+
+Nothing here downloads anything. `make_tiny_target` writes a Hugging Face folder (config, seeded
+random weights, a byte-level BPE tokenizer trained on a fixed text, a chat template and a generation
+config) that `dflash export` reads like any hub checkpoint. The draft side lives in
+`exporters/draft_checkpoint.py` (`make_tiny_draft`), since it writes the draft checkpoint format.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# Special tokens of the tiny tokenizer, in id order right after the 256 byte tokens' merges start.
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
+EOS_TOKEN = "<|im_end|>"
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# A fixed corpus, so that the trained merges (and so every token id) are the same on every machine.
+_CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "The quick brown fox jumps over the lazy dog.",
+    "Speculative decoding drafts several tokens and the target model verifies them in one pass.",
+    "for i in range(10):\n    print(i * i)\n",
+    "Hello, world! How are you today? I am fine, thank you.",
+    "import numpy as np\nx = np.arange(16).reshape(4, 4)\n",
+    "OpenVINO runs models on Intel CPUs, GPUs and NPUs.",
+]
+
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def _tiny_config_kwargs(vocab_size: int, **overrides) -> dict:
+    base = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        initializer_range=0.05,
+    )
+    base.update(overrides)
+    return base
+
+
+def build_tokenizer(vocab_size: int = 512):
+    """A byte-level BPE tokenizer trained on a fixed corpus, wrapped as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS_TOKEN,
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def make_tiny_target(
+    path: str | Path,
+    family: str = "qwen3",
+    *,
+    seed: int = 0,
+    vocab_size: int = 512,
+    **config_overrides,
+) -> Path:
+    """Write a tiny random-weight causal LM of `family` (llama, qwen2, qwen3, mistral) to `path`."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+
+    tokenizer = build_tokenizer(vocab_size)
+    eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    pad_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    kwargs = _tiny_config_kwargs(
+        vocab_size, eos_token_id=eos_id, bos_token_id=pad_id, pad_token_id=pad_id, **config_overrides
+    )
+    if family == "llama":
+        kwargs.setdefault("attention_bias", False)
+    config = AutoConfig.for_model(family, **kwargs)
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model.eval()
+    model.generation_config = GenerationConfig(
+        eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=pad_id, do_sample=False
+    )
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def read_config(path: str | Path) -> dict:
+    return json.loads((Path(path) / "config.json").read_text())
