@@ -1,0 +1,326 @@
+"""`dflash export` for drafts: a DFlash/DSpark checkpoint to the per-row stateful OpenVINO IR.
+
+What is written, and why each piece looks the way it does, is in docs/draft-format.md. In short:
+trace the per-row PyTorch draft (`draft_model.py`) with `openvino.convert_model`, name the ports,
+make it stateful the way optimum-intel does (`beam_idx` + Gather on every past input, a zero state
+initializer), tag it with rt_info, compress the weights, and save it next to the source config and,
+for a DSpark draft with a Markov head, the head's own IR.
+"""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import openvino as ov
+import torch
+
+from dflash.core.errors import ExportError, InputError, ModelFormatError
+from dflash.exporters.draft_checkpoint import load_draft_weights
+from dflash.exporters.draft_config import DraftConfig, load_draft_config
+from dflash.exporters.draft_model import DraftModel, draft_model_from_weights
+from dflash.exporters.markov_head import MARKOV_HEAD_FILE, markov_head_from_weights, save_markov_head
+
+DRAFT_MODEL_FILE = "openvino_model.xml"
+WEIGHT_FORMATS = ("fp32", "fp16", "int8", "int4")
+
+INPUT_NAMES = ("inputs_embeds", "hidden_states", "position_ids", "token_type_ids", "attention_mask")
+OUTPUT_NAME = "last_hidden_state"
+
+
+def past_names(num_layers: int) -> list[str]:
+    """Names of the past key/value inputs before they become state variables (optimum's convention)."""
+    return [f"past_key_values.{i}.{kind}" for i in range(num_layers) for kind in ("key", "value")]
+
+
+def present_names(num_layers: int) -> list[str]:
+    return [f"present.{i}.{kind}" for i in range(num_layers) for kind in ("key", "value")]
+
+
+def export_draft(
+    draft: str | Path,
+    output_dir: str | Path,
+    *,
+    weight_format: str = "fp16",
+    target_hidden_size: int | None = None,
+    on_step: Callable[[str], None] | None = None,
+) -> Path:
+    """Export the draft `draft` (local folder or hub id) into `output_dir`; returns `output_dir`.
+
+    `weight_format` is "fp32", "fp16", "int8" or "int4" (NNCF). With `target_hidden_size`, a draft
+    whose hidden size differs from its target's is rejected (ModelFormatError). `on_step` receives a
+    short line as each stage starts.
+    """
+    step = on_step or (lambda message: None)
+    if weight_format not in WEIGHT_FORMATS:
+        raise InputError(
+            f"unknown weight format {weight_format!r}", hint=f"choose one of {', '.join(WEIGHT_FORMATS)}"
+        )
+    source = resolve_draft_source(draft, on_step=step)
+    config = load_draft_config(source)
+    check_exportable(config, target_hidden_size)
+
+    step(f"loading {config.kind} draft weights from {source}")
+    weights = load_draft_weights(source, config)
+    model = draft_model_from_weights(config, weights)
+
+    step("converting the draft to OpenVINO (per-row, stateful)")
+    ov_model = convert_draft(model)
+    add_draft_rt_info(ov_model, config)
+    ov_model = compress_draft_weights(ov_model, config, weight_format, step)
+
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    step(f"saving {output_dir / DRAFT_MODEL_FILE}")
+    ov.save_model(ov_model, output_dir / DRAFT_MODEL_FILE, compress_to_fp16=weight_format == "fp16")
+    shutil.copyfile(Path(source) / "config.json", output_dir / "config.json")
+    head = output_dir / MARKOV_HEAD_FILE
+    for stale in (head, head.with_suffix(".bin")):  # an earlier export into this folder may have left one
+        stale.unlink(missing_ok=True)
+    if config.markov_rank > 0:
+        step(f"saving the Markov head (rank {config.markov_rank}, uncompressed)")
+        save_markov_head(markov_head_from_weights(weights), output_dir)
+    return output_dir
+
+
+def check_exportable(config: DraftConfig, target_hidden_size: int | None = None) -> None:
+    """Reject drafts this export cannot serve correctly (ModelFormatError)."""
+    if target_hidden_size is not None and config.hidden_size != target_hidden_size:
+        raise ModelFormatError(
+            f"the draft's hidden size {config.hidden_size} differs from the target's {target_hidden_size}",
+            hint="export the draft that was trained for this target",
+        )
+    if config.sliding_window is not None and config.sliding_window < config.block_size:
+        # PagedAttention's CPU kernel limits a bidirectional block differently from this mask when the
+        # window is narrower than the block; a window at least as wide gives the same answer on both.
+        raise ModelFormatError(
+            f"the draft's sliding_window {config.sliding_window} is smaller than its block_size {config.block_size}",
+            hint="PagedAttention drafting needs sliding_window >= block_size",
+        )
+
+
+def resolve_draft_source(draft: str | Path, on_step: Callable[[str], None] | None = None) -> Path:
+    """A local folder as is; anything else is taken as a hub id and downloaded (config and weights)."""
+    path = Path(draft)
+    if path.exists():
+        if not path.is_dir():
+            raise InputError(f"{path} is not a folder", hint="pass the draft's folder, not a file in it")
+        return path
+    repo_id = str(draft)
+    if repo_id.count("/") != 1 or repo_id.startswith((".", "/")):
+        raise InputError(f"no folder {repo_id}", hint="pass a local draft folder or a hub id such as org/name")
+    if on_step:
+        on_step(f"downloading {repo_id} from the Hugging Face hub")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.bin"]))
+    except (HfHubHTTPError, OSError, ValueError) as exc:
+        raise InputError(
+            f"cannot download {repo_id}: {exc}".splitlines()[0],
+            hint="check the hub id and your network, or pass a local folder",
+        ) from exc
+
+
+class _FlatDraft(torch.nn.Module):
+    """The draft with flat past/present tensors, the calling convention `convert_model` traces."""
+
+    def __init__(self, model: DraftModel):
+        super().__init__()
+        self.model = model
+
+    def forward(self, inputs_embeds, hidden_states, position_ids, token_type_ids, attention_mask, *past):
+        past_key_values = [(past[i], past[i + 1]) for i in range(0, len(past), 2)]
+        out, presents = self.model(
+            inputs_embeds, hidden_states, position_ids, token_type_ids, attention_mask, past_key_values
+        )
+        return (out, *[t for pair in presents for t in pair])
+
+
+def convert_draft(model: DraftModel):
+    """Trace `model` into a stateful OpenVINO model with the contract's port names (no rt_info)."""
+    config = model.config
+    h, k = config.hidden_size, config.num_target_features
+    kv_heads, head_dim = config.num_key_value_heads, config.head_dim
+    # Past > 0 and a mixed [context; block] call, so nothing in the trace specialises to a first call.
+    batch, past, rows = 1, 3, 2 + config.block_size
+    token_type_ids = torch.tensor([[0, 0] + [1] * config.block_size])
+    example = (
+        torch.randn(batch, rows, h),
+        torch.randn(batch, rows, k * h),
+        torch.arange(past, past + rows)[None],
+        token_type_ids,
+        torch.ones(batch, past + rows, dtype=torch.int64),
+        *[torch.randn(batch, kv_heads, past, head_dim) for _ in range(2 * config.num_hidden_layers)],
+    )
+    inputs = [
+        ([-1, -1, h], ov.Type.f32),
+        ([-1, -1, k * h], ov.Type.f32),
+        ([-1, -1], ov.Type.i64),
+        ([-1, -1], ov.Type.i64),
+        ([-1, -1], ov.Type.i64),
+        *[([-1, kv_heads, -1, head_dim], ov.Type.f32)] * (2 * config.num_hidden_layers),
+    ]
+    try:
+        ov_model = trace_and_convert(_FlatDraft(model), example, inputs)
+    except Exception as exc:  # the converter raises many types; report them as one export failure
+        raise ExportError(f"OpenVINO could not convert the draft: {exc}".splitlines()[0]) from exc
+
+    kv_inputs = past_names(config.num_hidden_layers)
+    kv_outputs = present_names(config.num_hidden_layers)
+    name_ports(ov_model, [*INPUT_NAMES, *kv_inputs], [OUTPUT_NAME, *kv_outputs])
+    make_draft_stateful(ov_model, kv_inputs, kv_outputs)
+    return ov_model
+
+
+def trace_and_convert(module: torch.nn.Module, example: tuple, inputs: list):
+    """TorchScript-trace `module` on `example` and convert it with `inputs` as (shape, type) per input.
+
+    Tracing here rather than inside `convert_model` skips the trace re-run check, which doubles the
+    cost and only warns about the data-dependent shapes the mask computes on purpose.
+    """
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TracerWarnings about shape arithmetic, jit deprecation notes
+        traced = torch.jit.trace(module.eval(), example, check_trace=False)
+        return ov.convert_model(traced, example_input=example, input=inputs)
+
+
+def name_ports(ov_model, input_names: list[str], output_names: list[str]) -> None:
+    """Give each input its tensor name and the same friendly name: SDPAToPagedAttention recognises
+    `inputs_embeds` by the Parameter's friendly name, and a traced Parameter's is arbitrary."""
+    for port, name in zip(ov_model.inputs, input_names, strict=True):
+        port.get_tensor().set_names({name})
+        port.get_node().set_friendly_name(name)
+    for port, name in zip(ov_model.outputs, output_names, strict=True):
+        port.get_tensor().set_names({name})
+
+
+def make_draft_stateful(ov_model, kv_inputs: list[str], kv_outputs: list[str]) -> None:
+    """Turn past/present pairs into state variables, as optimum-intel does for decoders.
+
+    `apply_make_stateful_transformation` alone is not enough for SDPAToPagedAttention: it also needs
+    the `beam_idx` Gather on every past input and a state initializer whose batch comes from a model
+    input (`inputs_embeds` here); optimum-intel's helpers add exactly those.
+    """
+    from optimum.exporters.openvino.stateful import fuse_cache_reorder, make_stateful
+
+    not_kv_inputs = [port for port in ov_model.inputs if not (port.get_names() & set(kv_inputs))]
+    fuse_cache_reorder(ov_model, not_kv_inputs, kv_inputs, gather_dim=0)
+    make_stateful(ov_model, not_kv_inputs, kv_inputs, kv_outputs, batch_dim=0, num_beams_and_batch=None)
+
+
+def add_draft_rt_info(ov_model, config: DraftConfig) -> None:
+    """Write the contract's rt_info (all values strings) onto the backbone."""
+    ov_model.set_rt_info("True", ["dflash_mode"])
+    entries = {
+        "mask_token_id": str(config.mask_token_id),
+        "target_layer_ids": ",".join(map(str, config.target_layer_ids)),
+        "block_size": str(config.block_size),
+        "candidate_position_offset": str(config.candidate_position_offset),
+        "markov_rank": str(config.markov_rank),
+    }
+    if config.markov_rank > 0:
+        entries["markov_head_type"] = config.markov_head_type
+    for key, value in entries.items():
+        ov_model.set_rt_info(value, ["dflash", key])
+
+
+def compress_draft_weights(ov_model, config: DraftConfig, weight_format: str, step: Callable[[str], None]):
+    """int8/int4 weight compression with NNCF; fp32/fp16 leave the model as is (fp16 happens on save)."""
+    if weight_format not in ("int8", "int4"):
+        return ov_model
+    import nncf
+
+    step(f"compressing weights to {weight_format} (NNCF)")
+    if weight_format == "int8":
+        return nncf.compress_weights(ov_model, mode=nncf.CompressWeightsMode.INT8_ASYM)
+    return nncf.compress_weights(
+        ov_model,
+        mode=nncf.CompressWeightsMode.INT4_ASYM,
+        group_size=_int4_group_size(config),
+        ratio=1.0,
+        all_layers=True,
+    )
+
+
+def _int4_group_size(config: DraftConfig) -> int:
+    """128 (the usual group) when it divides every input width, else the largest power of two that
+    does, else per-channel (-1): tiny drafts have 64-wide layers."""
+    widths = [config.hidden_size, config.intermediate_size, config.num_attention_heads * config.head_dim]
+    for size in (128, 64, 32, 16):
+        if all(w % size == 0 for w in widths):
+            return size
+    return -1
+
+
+@dataclass(frozen=True)
+class DraftMetadata:
+    """The rt_info of an exported draft backbone, parsed."""
+
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    block_size: int
+    candidate_position_offset: int
+    markov_rank: int
+    markov_head_type: str | None
+    per_row: bool  # the model has a `token_type_ids` input (the layout PagedAttention drafting needs)
+
+
+def read_draft_metadata(model, *, require_per_row: bool = True) -> DraftMetadata:
+    """Parse the DFlash rt_info of an `ov.Model` (read_model of `openvino_model.xml`).
+
+    Raises ModelFormatError for a model that is not a DFlash draft, has malformed keys or, with
+    `require_per_row`, was exported for the old stateful runner (no `token_type_ids` input).
+    """
+    def get(*path: str) -> str | None:
+        key = list(path)
+        return model.get_rt_info(key).astype(str) if model.has_rt_info(key) else None
+
+    if get("dflash_mode") != "True":
+        raise ModelFormatError(
+            "the model is not a DFlash draft (no rt_info dflash_mode)",
+            hint="export the draft with `dflash export`",
+        )
+    per_row = any("token_type_ids" in port.get_names() for port in model.inputs)
+    if require_per_row and not per_row:
+        raise ModelFormatError(
+            "the draft was exported for the old stateful runner (no token_type_ids input)",
+            hint="re-export it with `dflash export` to get the per-row layout",
+        )
+    try:
+        mask_token_id = int(_required(get("dflash", "mask_token_id"), "mask_token_id"))
+        layer_text = _required(get("dflash", "target_layer_ids"), "target_layer_ids")
+        target_layer_ids = tuple(int(part) for part in layer_text.split(","))
+        block_size = int(_required(get("dflash", "block_size"), "block_size"))
+        offset = int(get("dflash", "candidate_position_offset") or 1)
+        markov_rank = int(get("dflash", "markov_rank") or 0)
+    except ValueError as exc:
+        raise ModelFormatError(
+            f"malformed DFlash rt_info: {exc}", hint="re-export the draft with `dflash export`"
+        ) from exc
+    if offset not in (0, 1):
+        raise ModelFormatError(
+            f"rt_info dflash/candidate_position_offset is {offset}, expected 0 or 1",
+            hint="re-export the draft with `dflash export`",
+        )
+    return DraftMetadata(
+        mask_token_id=mask_token_id,
+        target_layer_ids=target_layer_ids,
+        block_size=block_size,
+        candidate_position_offset=offset,
+        markov_rank=markov_rank,
+        markov_head_type=get("dflash", "markov_head_type") if markov_rank > 0 else None,
+        per_row=per_row,
+    )
+
+
+def _required(value: str | None, key: str) -> str:
+    if value is None:
+        raise ModelFormatError(
+            f"the draft's rt_info lacks dflash/{key}", hint="re-export the draft with `dflash export`"
+        )
+    return value
