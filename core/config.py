@@ -1,0 +1,144 @@
+"""Engine configuration: one small frozen dataclass per concern, validated on construction.
+
+Each component receives only its own config (the cache config for the KV pool, the scheduler config for
+the scheduler, sampling params per request). Invalid values raise `ValueError` with a message that
+names the field, never `assert` (asserts vanish under `python -O` and say nothing useful).
+The dataclasses are frozen: change a value with `dataclasses.replace`, which validates again.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+GIB = 1 << 30
+
+
+def _require_positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _require_non_negative_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+
+
+def num_blocks_for_size(kv_cache_size_gib: float, bytes_per_block: int) -> int:
+    """How many whole KV blocks fit into `kv_cache_size_gib` GiB.
+
+    `bytes_per_block` covers one block across every layer, keys and values (and any quantization
+    scales): the model runner computes it from the cache layout the compiled model reports.
+    """
+    if not kv_cache_size_gib > 0:
+        raise ValueError(f"kv_cache_size_gib must be > 0, got {kv_cache_size_gib!r}")
+    _require_positive_int("bytes_per_block", bytes_per_block)
+    num_blocks = math.floor(kv_cache_size_gib * GIB / bytes_per_block)
+    if num_blocks < 1:
+        raise ValueError(
+            f"a KV cache of {kv_cache_size_gib} GiB holds no block of {bytes_per_block} bytes; "
+            "raise kv_cache_size_gib"
+        )
+    return num_blocks
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """The KV cache of one model (target or draft: each has its own).
+
+    The size is given either as a block count (`num_blocks`) or in GiB (`kv_cache_size_gib`), not both.
+    `block_size` is what the compiled model's cache layout reports (never assumed).
+    """
+
+    block_size: int
+    num_blocks: int | None = None
+    kv_cache_size_gib: float | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _require_positive_int("block_size", self.block_size)
+        if self.num_blocks is not None:
+            _require_positive_int("num_blocks", self.num_blocks)
+        if self.kv_cache_size_gib is not None and not self.kv_cache_size_gib > 0:
+            raise ValueError(f"kv_cache_size_gib must be > 0, got {self.kv_cache_size_gib!r}")
+        if self.num_blocks is not None and self.kv_cache_size_gib is not None:
+            raise ValueError("set num_blocks or kv_cache_size_gib, not both")
+
+    def resolve_num_blocks(self, bytes_per_block: int) -> int:
+        """The number of blocks to allocate: `num_blocks` as given, else derived from the GiB size."""
+        if self.num_blocks is not None:
+            return self.num_blocks
+        if self.kv_cache_size_gib is None:
+            raise ValueError("the KV cache size is unset: give num_blocks or kv_cache_size_gib")
+        return num_blocks_for_size(self.kv_cache_size_gib, bytes_per_block)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Limits of one engine step.
+
+    max_num_batched_tokens: rows one packed inference may hold (prompt chunks plus [seed; candidates]).
+    max_num_seqs: requests that may hold KV blocks at once (running, including mid-prefill).
+    dynamic_split_fuse: True mixes prompt chunks with generation rows in one step and chunks long
+        prompts; False runs a step of whole prompts or a step of generation rows, never both.
+    max_model_len: the longest sequence (prompt + new tokens) a request may reach; None = no limit
+        beyond the KV cache.
+    """
+
+    max_num_batched_tokens: int = 256
+    max_num_seqs: int = 64
+    dynamic_split_fuse: bool = True
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        _require_positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        _require_positive_int("max_num_seqs", self.max_num_seqs)
+        if self.max_model_len is not None:
+            _require_positive_int("max_model_len", self.max_model_len)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How one request generates.
+
+    temperature 0 is greedy decoding (top_p, top_k and seed are then unused). top_k 0 = no top-k cut.
+    stop_token_ids and stop_strings end the request (checked by the engine, not the scheduler);
+    ignore_eos keeps generating past the tokenizer's EOS. num_assistant_tokens: candidates the draft
+    proposes per step for this request; None = the engine's default, 0 = no drafting.
+    Sequences given as lists are stored as tuples so the params stay immutable.
+    max_new_tokens defaults to a finite 256 because the scheduler checks at admission that
+    prompt + max_new_tokens fits the KV cache.
+    """
+
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    num_assistant_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
+        _require_non_negative_int("max_new_tokens", self.max_new_tokens)
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        _require_non_negative_int("top_k", self.top_k)
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        for token_id in self.stop_token_ids:
+            _require_non_negative_int("stop_token_ids entry", token_id)
+        for text in self.stop_strings:
+            if not isinstance(text, str) or not text:
+                raise ValueError(f"stop_strings entries must be non-empty strings, got {text!r}")
+        if self.num_assistant_tokens is not None:
+            _require_non_negative_int("num_assistant_tokens", self.num_assistant_tokens)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
