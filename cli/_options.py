@@ -46,3 +46,23 @@ ExistingDir = Annotated[
     Path,
     typer.Argument(exists=True, file_okay=False, dir_okay=True, readable=True, resolve_path=True),
 ]
+
+OvConfigOpt = Annotated[
+    Optional[list[str]],
+    typer.Option(
+        "--ov-config",
+        help="An OpenVINO property KEY=VALUE (repeatable), e.g. INFERENCE_PRECISION_HINT=f32 for exact parity.",
+        show_default=False,
+    ),
+]
+
+
+def parse_ov_config(items: list[str] | None) -> dict[str, str]:
+    """KEY=VALUE strings to a properties dict; a malformed item is a usage error (exit 2)."""
+    config = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip() or not value.strip():
+            raise typer.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--ov-config")
+        config[key.strip()] = value.strip()
+    return config

@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from . import export as export_cmd
+from . import generate as generate_cmd
 from . import validate as validate_cmd
 
 app = typer.Typer(
@@ -44,6 +45,7 @@ def _root(
 
 app.command("export", epilog=export_cmd.EXAMPLES)(export_cmd.export)
 app.command("validate", epilog=validate_cmd.EXAMPLES)(validate_cmd.validate)
+app.command("generate", epilog=generate_cmd.EXAMPLES)(generate_cmd.generate)
 
 
 def main() -> None:

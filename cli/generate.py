@@ -1,0 +1,196 @@
+"""`dflash generate`: batched generation on the continuous-batching engine."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.markup import escape
+
+from ._errors import handled_errors
+from ._options import DebugOpt, JsonOpt, OvConfigOpt, QuietOpt, parse_ov_config
+from ._output import Output
+
+EXAMPLES = """\
+Examples:
+
+  dflash generate out/target "Write a haiku about CPUs."
+
+  dflash generate out/target --prompts-file prompts.jsonl --max-new-tokens 256 --json > results.jsonl
+
+  dflash generate out/target "def fib(n):" --no-chat --ov-config INFERENCE_PRECISION_HINT=f32
+
+  dflash generate out/target --draft out/draft --prompts-file prompts.txt --num-assistant-tokens 8
+"""
+
+
+def generate(
+    target_dir: Annotated[Path, typer.Argument(help="An exported target folder.", show_default=False)],
+    prompts: Annotated[Optional[list[str]], typer.Argument(help="Prompts to generate from.", show_default=False)] = None,
+    draft: Annotated[
+        Optional[Path],
+        typer.Option("--draft", help="An exported DFlash/DSpark draft: speculative decoding, greedy output unchanged.", show_default=False),
+    ] = None,
+    num_assistant_tokens: Annotated[
+        Optional[int],
+        typer.Option("--num-assistant-tokens", min=0, help="Candidates per draft step (default: all the draft's block yields; 0: no drafting).", show_default=False),
+    ] = None,
+    draft_kv_cache_size: Annotated[
+        Optional[float],
+        typer.Option("--draft-kv-cache-size", min=0.001, help="The draft's KV cache in GiB [default: as the target's].", show_default=False),
+    ] = None,
+    prompts_file: Annotated[
+        Optional[Path],
+        typer.Option("--prompts-file", help=".txt (one prompt per line) or .jsonl (prompt / messages / turns).", show_default=False),
+    ] = None,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="Tokens to generate per prompt at most.")] = 128,
+    chat: Annotated[
+        Optional[bool],
+        typer.Option("--chat/--no-chat", help="Apply the tokenizer's chat template (default: when it has one).", show_default=False),
+    ] = None,
+    kv_cache_size: Annotated[Optional[float], typer.Option("--kv-cache-size", min=0.001, help="KV cache size in GiB [default: 0.25].", show_default=False)] = None,
+    max_num_batched_tokens: Annotated[int, typer.Option("--max-num-batched-tokens", min=1, help="Token budget of one engine step.")] = 256,
+    max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", min=1, help="Requests running at once at most.")] = 64,
+    prefix_caching: Annotated[bool, typer.Option("--prefix-caching/--no-prefix-caching", help="Reuse the KV of shared prompt prefixes.")] = True,
+    dynamic_split_fuse: Annotated[bool, typer.Option("--dynamic-split-fuse/--no-dynamic-split-fuse", help="Mix prompt chunks and generation in one step.")] = True,
+    seed: Annotated[Optional[int], typer.Option("--seed", help="Seed of sampling (with --temperature > 0).", show_default=False)] = None,
+    ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Do not stop at the end-of-sequence token.")] = False,
+    temperature: Annotated[float, typer.Option("--temperature", min=0.0, help="0 = greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option("--top-p", min=0.0, max=1.0, help="Nucleus sampling mass.")] = 1.0,
+    top_k: Annotated[int, typer.Option("--top-k", min=0, help="Sample among the K most likely tokens (0 = all).")] = 0,
+    device: Annotated[str, typer.Option("--device", help="OpenVINO device.")] = "CPU",
+    ov_config: OvConfigOpt = None,
+    json_output: JsonOpt = False,
+    quiet: QuietOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Generate text for one or many prompts with continuous batching.
+
+    One prompt streams to the terminal; many show a progress bar, then each result. With --json, one JSON object per request: id, prompt, text, token ids, number of generated tokens, finish reason, TTFT and TPOT.
+    """
+    output = Output(json_mode=json_output, quiet=quiet)
+    finished: list = []
+    with handled_errors(output, debug=debug):
+        from dflash.core.config import SamplingParams
+        from dflash.core.engine import EngineConfig, LLMEngine
+        from dflash.core.errors import InputError
+        from dflash.core.prompts import read_prompts_file
+
+        all_prompts = list(prompts or []) + (read_prompts_file(prompts_file) if prompts_file else [])
+        if not all_prompts:
+            raise InputError("no prompts given", "pass PROMPT arguments or --prompts-file FILE")
+        params = SamplingParams(
+            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+            seed=seed, ignore_eos=ignore_eos, num_assistant_tokens=num_assistant_tokens,
+        )  # fmt: skip
+        config = EngineConfig(
+            device=device,
+            ov_config=parse_ov_config(ov_config),
+            kv_cache_size_gib=kv_cache_size,
+            enable_prefix_caching=prefix_caching,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            dynamic_split_fuse=dynamic_split_fuse,
+            draft_kv_cache_size_gib=draft_kv_cache_size or kv_cache_size,
+        )
+        with output.status(f"Loading {target_dir}" + (f" with draft {draft}" if draft else "")):
+            engine = LLMEngine(target_dir, config, draft_dir=draft)
+        use_chat = chat if chat is not None else bool(getattr(engine.tokenizer, "chat_template", None))
+        try:
+            if len(all_prompts) == 1 and not json_output:
+                _stream_one(engine, all_prompts[0], params, use_chat, output, finished)
+            else:
+                _run_many(engine, all_prompts, params, use_chat, output, finished)
+        finally:
+            # Ctrl-C or a failure mid-run: what finished is still printed, and nothing is lost.
+            _print_results(finished, output, streamed=len(all_prompts) == 1 and not json_output)
+            for warning in engine.warnings:
+                output.warning(warning)
+            if engine.proposer is not None:
+                _print_acceptance(engine, output)
+    if any(result.error for result in finished):
+        raise typer.Exit(1)
+
+
+def _stream_one(engine, prompt, params, chat: bool, output: Output, finished: list) -> None:
+    req_id = engine.add_request(prompt, params, chat=chat)
+    while engine.has_unfinished_requests():
+        for step_output in engine.step():
+            if step_output.new_text:
+                sys.stdout.write(step_output.new_text)
+                sys.stdout.flush()
+    sys.stdout.write("\n")
+    finished.append(engine.result(req_id))
+
+
+def _run_many(engine, prompts, params, chat: bool, output: Output, finished: list) -> None:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    req_ids = [engine.add_request(p, params, chat=chat) for p in prompts]
+    order = {req_id: i for i, req_id in enumerate(req_ids)}
+    progress = Progress(
+        TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=output.err, disable=output.quiet or not output.err.is_terminal,
+    )  # fmt: skip
+    with progress:
+        task = progress.add_task("generate", total=len(req_ids))
+        try:
+            while engine.has_unfinished_requests():
+                for step_output in engine.step():
+                    if step_output.finished:
+                        finished.append(engine.result(step_output.req_id))
+                        progress.advance(task)
+        except BaseException:
+            for req_id in req_ids:
+                engine.abort_request(req_id)
+            raise
+    finished.sort(key=lambda result: order[result.req_id])
+
+
+def _print_results(results: list, output: Output, *, streamed: bool) -> None:
+    for result in results:
+        if output.json_mode:
+            sys.stdout.write(_json_line(result.to_json()))
+            continue
+        if result.error:
+            output.error(escape(f"{result.req_id}: {result.error}"))
+            continue
+        if not streamed:
+            output.data(f"[bold]── {escape(result.req_id)}[/bold] [dim]{escape(_one_line(result.prompt))}[/dim]")
+            output.out.print(result.text, markup=False, highlight=False)
+        output.info(
+            f"[dim]{result.req_id}: {result.num_generated_tokens} tokens, {result.finish_reason}"
+            + (f", TTFT {result.ttft_s * 1000:.0f} ms" if result.ttft_s is not None else "")
+            + (f", TPOT {result.tpot_s * 1000:.1f} ms" if result.tpot_s is not None else "")
+            + "[/dim]"
+        )
+
+
+def _print_acceptance(engine, output: Output) -> None:
+    """The acceptance summary: after the results, or as a last JSON line with --json."""
+    stats = engine.spec_stats
+    if output.json_mode:
+        sys.stdout.write(_json_line({"spec_decoding": stats.to_json(), "times": engine.times.to_json()}))
+        return
+    if not stats.num_drafts:
+        output.info("no draft step ran (no greedy request drafted)")
+        return
+    by_position = " ".join(f"{rate:.2f}" for rate in stats.acceptance_by_position)
+    output.data(
+        f"draft: {stats.num_drafts} steps, {stats.num_accepted_tokens}/{stats.num_draft_tokens} candidates accepted "
+        f"({stats.acceptance_rate:.1%}), mean accepted length {stats.mean_accepted_length:.2f}\n"
+        f"acceptance by position: {by_position}"
+    )
+
+
+def _json_line(data: dict) -> str:
+    import json
+
+    return json.dumps(data, ensure_ascii=False) + "\n"
+
+
+def _one_line(prompt: str | None, width: int = 60) -> str:
+    text = " ".join((prompt or "").split())
+    return text if len(text) <= width else text[: width - 1] + "…"

@@ -1,0 +1,146 @@
+"""The DFlash/DSpark draft on PagedAttention: the second model of a speculative engine.
+
+At load the target's embedding and lm_head weights are grafted onto the draft, the draft is converted
+to PagedAttention (its masks use `token_type_ids`, so every PagedAttention op rebuilds the DFlash
+mask: causal context rows, a bidirectional block), and a Gather before the grafted lm_head keeps
+logits to the candidate rows. Each step runs one packed inference over every request's window:
+
+    [ new committed target hidden rows (type 0) ; seed/anchor + mask rows (type 1) ]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import openvino as ov
+
+from .errors import ModelFormatError
+from .graph import SAMPLED_ROWS_INPUT, graft_embedding, graft_lm_head, insert_logits_gather
+from .model_runner import read_ov_model
+from .paged import (
+    KVCacheLayout,
+    SequenceSlice,
+    allocate_kv_caches,
+    fit_to_input,
+    pack_paged_inputs,
+    packed_positions,
+    read_kv_cache_layout,
+    to_paged_attention,
+)
+
+CONTEXT_ROW = 0
+BLOCK_ROW = 1
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    """What the engine needs to know of a draft, from its rt_info."""
+
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    block_size: int
+    candidate_position_offset: int
+    markov_rank: int
+
+    @property
+    def max_candidates(self) -> int:
+        """Candidates one block can yield: its rows after the offset."""
+        return self.block_size - self.candidate_position_offset
+
+
+@dataclass
+class DraftInputs:
+    """One packed draft inference."""
+
+    seqs: list[SequenceSlice]
+    token_ids: np.ndarray  # [num_tokens] i64: mask ids on context rows (unused), seed + masks on block rows
+    token_type_ids: np.ndarray  # [num_tokens] i64: 0 context row, 1 block row
+    hidden_states: np.ndarray  # [num_tokens, k * H_target] f32: zeros on block rows (unused)
+    candidate_rows: np.ndarray  # [num_candidates] i64
+
+
+def read_draft_spec(model: ov.Model) -> DraftSpec:
+    from dflash.exporters.draft import read_draft_metadata
+
+    meta = read_draft_metadata(model)
+    return DraftSpec(
+        mask_token_id=meta.mask_token_id,
+        target_layer_ids=tuple(meta.target_layer_ids),
+        block_size=meta.block_size,
+        candidate_position_offset=meta.candidate_position_offset,
+        markov_rank=meta.markov_rank,
+    )
+
+
+class DraftRunner:
+    """A compiled PagedAttention draft with the target's embedding and lm_head, and its KV caches."""
+
+    def __init__(
+        self,
+        draft: ov.Model | str | Path,
+        target_dir: str | Path,
+        *,
+        device: str = "CPU",
+        ov_config: dict[str, str] | None = None,
+    ):
+        model = draft if isinstance(draft, ov.Model) else read_ov_model(draft)
+        self.spec = read_draft_spec(model)
+        target = read_ov_model(target_dir)  # a throwaway copy: its weight subgraphs move to the draft
+        _check_widths(model, target)
+        graft_embedding(model, target)
+        graft_lm_head(model, target)
+        del target
+        to_paged_attention(model)
+        insert_logits_gather(model)
+        self.compiled = ov.Core().compile_model(model, device, ov_config or {})
+        self.layout: KVCacheLayout = read_kv_cache_layout(self.compiled)
+        self.block_size = self.layout.block_size
+        self._request = self.compiled.create_infer_request()
+        self._ports = {name: self.compiled.input(name) for name in ("input_ids", "position_ids", "token_type_ids", "hidden_states")}
+        self.num_blocks = 0
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.layout.bytes_per_block
+
+    @property
+    def hidden_states_width(self) -> int:
+        """k * H_target: the width of the target hidden rows the draft reads."""
+        return self._ports["hidden_states"].get_partial_shape()[-1].get_length()
+
+    def allocate_cache(self, num_blocks: int) -> None:
+        for name, tensor in allocate_kv_caches(self.layout, num_blocks).items():
+            self._request.set_tensor(name, tensor)
+        self.num_blocks = num_blocks
+
+    def run(self, step: DraftInputs) -> np.ndarray:
+        """Logits of the candidate rows. # [num_candidates, vocab] f32"""
+        inputs = pack_paged_inputs(step.seqs, self.block_size)
+        inputs["input_ids"] = fit_to_input(self._ports["input_ids"], step.token_ids)
+        inputs["position_ids"] = fit_to_input(self._ports["position_ids"], packed_positions(step.seqs))
+        inputs["token_type_ids"] = fit_to_input(self._ports["token_type_ids"], step.token_type_ids)
+        inputs["hidden_states"] = fit_to_input(self._ports["hidden_states"], step.hidden_states)
+        inputs[SAMPLED_ROWS_INPUT] = np.asarray(step.candidate_rows, dtype=np.int64)
+        self._request.infer(inputs)
+        logits = self._request.get_tensor("logits").data
+        return logits.reshape(logits.shape[0], logits.shape[-1]).copy()
+
+
+def _check_widths(draft: ov.Model, target: ov.Model) -> None:
+    embeds = next(p for p in draft.inputs if "inputs_embeds" in p.get_names())
+    width = embeds.get_partial_shape()[-1]
+    target_logits_in = None
+    try:
+        from .graph import find_lm_head
+
+        matmul, port = find_lm_head(target)
+        target_logits_in = matmul.input_value(port).get_partial_shape()[-1]
+    except ModelFormatError:
+        return
+    if width.is_static and target_logits_in.is_static and width.get_length() != target_logits_in.get_length():
+        raise ModelFormatError(
+            f"the draft's hidden size {width.get_length()} differs from the target's {target_logits_in.get_length()}",
+            "use a draft trained for this target (`dflash validate DRAFT --target TARGET` shows every mismatch)",
+        )

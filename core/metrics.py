@@ -1,0 +1,87 @@
+"""Speculative-decoding counters: drafts, drafted and accepted tokens, acceptance by position.
+
+Glossary (per verification step of one request):
+  drafted   candidates the target verified this step (k)
+  accepted  leading candidates equal to the target's own greedy tokens (0..k)
+  bonus     the target's token after the accepted ones: every verification step commits accepted + 1
+
+Mean accepted length = (accepted + drafts) / drafts: tokens per verification step, bonus included.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecDecodingStats:
+    num_drafts: int = 0  # verification steps that had at least one candidate
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def observe(self, num_drafted: int, num_accepted: int) -> None:
+        if num_drafted <= 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        _grow(self.drafted_per_position, num_drafted)
+        _grow(self.accepted_per_position, num_accepted)
+
+    def merge(self, other: SpecDecodingStats) -> None:
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        for mine, theirs in ((self.drafted_per_position, other.drafted_per_position),
+                             (self.accepted_per_position, other.accepted_per_position)):  # fmt: skip
+            if len(mine) < len(theirs):
+                mine.extend([0] * (len(theirs) - len(mine)))
+            for i, count in enumerate(theirs):
+                mine[i] += count
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        return (self.num_accepted_tokens + self.num_drafts) / self.num_drafts if self.num_drafts else None
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        """Of the steps that drafted position i, the share that accepted it."""
+        accepted = self.accepted_per_position + [0] * (len(self.drafted_per_position) - len(self.accepted_per_position))
+        return [a / d for a, d in zip(accepted, self.drafted_per_position)]
+
+    def to_json(self) -> dict:
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "mean_accepted_length": self.mean_accepted_length,
+            "acceptance_rate": self.acceptance_rate,
+            "acceptance_by_position": self.acceptance_by_position,
+        }
+
+
+def _grow(counts: list[int], upto: int) -> None:
+    """Count one more step at positions 0..upto-1."""
+    if len(counts) < upto:
+        counts.extend([0] * (upto - len(counts)))
+    for i in range(upto):
+        counts[i] += 1
+
+
+@dataclass
+class StepTimes:
+    """Seconds spent in each model's inference, and in whole steps (the rest is Python)."""
+
+    target_s: float = 0.0
+    draft_s: float = 0.0
+    step_s: float = 0.0
+    num_steps: int = 0
+
+    def to_json(self) -> dict:
+        return {"target_s": self.target_s, "draft_s": self.draft_s, "step_s": self.step_s, "num_steps": self.num_steps}

@@ -1,0 +1,111 @@
+"""The target model on PagedAttention: load, transform, compile, and run one packed inference per step.
+
+The runner never decides who runs: it gets the step's sequences (past length, new rows, block table)
+and their token ids, and returns logits for the rows that sample plus, when a draft needs them, the
+target hidden states of every row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import openvino as ov
+
+from .errors import InputError
+from .graph import HIDDEN_STATES_OUTPUT, SAMPLED_ROWS_INPUT, add_hidden_states_output, insert_logits_gather
+from .paged import (
+    KVCacheLayout,
+    SequenceSlice,
+    allocate_kv_caches,
+    fit_to_input,
+    pack_paged_inputs,
+    packed_positions,
+    read_kv_cache_layout,
+    to_paged_attention,
+)
+
+MODEL_FILE = "openvino_model.xml"
+
+
+@dataclass
+class StepInputs:
+    """One packed inference: sequences in order, their new rows' token ids, the rows that sample."""
+
+    seqs: list[SequenceSlice]
+    token_ids: np.ndarray  # [num_tokens] i64
+    sample_rows: np.ndarray  # [num_sampled] i64, indices into the packed rows
+
+
+@dataclass
+class StepOutputs:
+    logits: np.ndarray  # [num_sampled, vocab] f32
+    hidden_states: np.ndarray | None  # [num_tokens, k * hidden] f32, when hidden layers were requested
+
+
+def read_ov_model(model_dir: str | Path) -> ov.Model:
+    path = Path(model_dir) / MODEL_FILE
+    if not path.is_file():
+        raise InputError(f"{model_dir} has no {MODEL_FILE}", "export the model first with `dflash export`")
+    return ov.Core().read_model(path)
+
+
+class TargetRunner:
+    """A compiled PagedAttention target with its KV caches and one infer request."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        device: str = "CPU",
+        ov_config: dict[str, str] | None = None,
+        hidden_layer_ids: Sequence[int] = (),
+    ):
+        model = read_ov_model(model_dir)
+        layer_outputs = []
+        if hidden_layer_ids:
+            from dflash.exporters.hidden_states import hidden_state_outputs
+
+            layer_outputs = hidden_state_outputs(model, hidden_layer_ids)
+        to_paged_attention(model)
+        insert_logits_gather(model)
+        self.has_hidden_states = bool(layer_outputs)
+        if layer_outputs:
+            add_hidden_states_output(model, layer_outputs)
+        self.compiled = ov.Core().compile_model(model, device, ov_config or {})
+        self.layout: KVCacheLayout = read_kv_cache_layout(self.compiled)
+        self.block_size = self.layout.block_size
+        self._request = self.compiled.create_infer_request()
+        self._token_port = self.compiled.input("input_ids")
+        self._position_port = self.compiled.input("position_ids")
+        self._caches: dict[str, ov.Tensor] = {}
+        self.num_blocks = 0
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.layout.bytes_per_block
+
+    def allocate_cache(self, num_blocks: int) -> None:
+        """Allocate the KV caches once; the plugin writes into them in place."""
+        self._caches = allocate_kv_caches(self.layout, num_blocks)
+        for name, tensor in self._caches.items():
+            self._request.set_tensor(name, tensor)
+        self.num_blocks = num_blocks
+
+    def run(self, step: StepInputs) -> StepOutputs:
+        inputs = pack_paged_inputs(step.seqs, self.block_size)
+        inputs["input_ids"] = fit_to_input(self._token_port, step.token_ids)
+        inputs["position_ids"] = fit_to_input(self._position_port, packed_positions(step.seqs))
+        inputs[SAMPLED_ROWS_INPUT] = np.asarray(step.sample_rows, dtype=np.int64)
+        self._request.infer(inputs)
+        logits = self._request.get_tensor("logits").data
+        hidden = None
+        if self.has_hidden_states:
+            hidden = self._request.get_tensor(HIDDEN_STATES_OUTPUT).data
+            hidden = hidden.reshape(hidden.shape[0], -1).copy()
+        # [num_sampled, vocab]; spelled out because a step of prompt chunks only samples no row,
+        # and reshape(0, -1) of an empty array is an error.
+        logits = logits.reshape(logits.shape[0], logits.shape[-1]).copy()
+        return StepOutputs(logits=logits, hidden_states=hidden)
