@@ -494,7 +494,7 @@ class LLMEngine:
         req_id = self.add_request(prompt, params, chat=chat)
         try:
             finished = False
-            while not finished:
+            while not finished and self.has_unfinished_requests():  # (aborted elsewhere: ends)
                 for output in self.step():
                     if output.req_id != req_id:
                         continue

@@ -195,10 +195,14 @@ class Scheduler:
         Prompts go first, as in GenAI's and vLLM v0's non-chunked schedulers. The only running
         requests still in prefill are recomputes longer than the whole budget, run in chunks (the
         one case where chunking cannot be avoided).
+
+        Generation rows run whenever no prompt rows did, even after a preemption: a recompute chunk
+        that preempted itself for want of blocks would otherwise be readmitted, preempt itself
+        again, and so on forever, while the requests holding the blocks never got a step to finish.
         """
         self._schedule_running(step, in_prefill=True)
         self._schedule_waiting(step, allow_chunk=False)
-        if not step.scheduled and not step.preempted_req_ids:
+        if not step.scheduled:
             self._schedule_running(step, in_prefill=False)
 
     def _schedule_running(self, step: _Step, in_prefill: bool | None = None) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import numbers
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Union
@@ -44,10 +45,11 @@ def tokenize_prompt(tokenizer, prompt: Prompt, *, chat: bool) -> tuple[str | Non
         if not chat:
             return prompt, list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
         prompt = [{"role": "user", "content": prompt}]
-    elif prompt and all(isinstance(t, int) for t in prompt):
-        return None, [int(t) for t in prompt]
-    elif not prompt:
+    elif len(prompt) == 0:
         return "", []
+    elif all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
+        # numbers.Integral: numpy integers (an array of ids, or a list of them) are token ids too.
+        return None, [int(t) for t in prompt]
     if not getattr(tokenizer, "chat_template", None):
         raise InputError(
             "the tokenizer has no chat template, so chat messages cannot be formatted",
