@@ -9,6 +9,11 @@ from typing import Annotated, Optional
 import typer
 
 
+class DefaultDraft(str, Enum):
+    dflash = "dflash"
+    dspark = "dspark"
+
+
 class WeightFormat(str, Enum):
     fp32 = "fp32"
     fp16 = "fp16"

@@ -9,6 +9,7 @@ import typer
 
 from . import export as export_cmd
 from . import generate as generate_cmd
+from . import train as train_cmd
 from . import validate as validate_cmd
 
 app = typer.Typer(
@@ -46,6 +47,7 @@ def _root(
 app.command("export", epilog=export_cmd.EXAMPLES)(export_cmd.export)
 app.command("validate", epilog=validate_cmd.EXAMPLES)(validate_cmd.validate)
 app.command("generate", epilog=generate_cmd.EXAMPLES)(generate_cmd.generate)
+app.command("train", epilog=train_cmd.EXAMPLES)(train_cmd.train)
 
 
 def main() -> None:

@@ -10,11 +10,13 @@ import typer
 from rich.markup import escape
 
 from ._errors import handled_errors
-from ._options import DebugOpt, JsonOpt, OvConfigOpt, QuietOpt, parse_ov_config
+from ._options import DebugOpt, DefaultDraft, JsonOpt, OvConfigOpt, QuietOpt, parse_ov_config
 from ._output import Output
 
 EXAMPLES = """\
 Examples:
+
+  dflash generate "Write a function that reverses a list."      # the embedded default pair
 
   dflash generate out/target "Write a haiku about CPUs."
 
@@ -27,8 +29,15 @@ Examples:
 
 
 def generate(
-    target_dir: Annotated[Path, typer.Argument(help="An exported target folder.", show_default=False)],
+    target_dir: Annotated[
+        Optional[str],
+        typer.Argument(help="An exported target folder (default: the embedded SmolLM2-135M-Instruct pair).", show_default=False),
+    ] = None,
     prompts: Annotated[Optional[list[str]], typer.Argument(help="Prompts to generate from.", show_default=False)] = None,
+    default_draft: Annotated[
+        DefaultDraft,
+        typer.Option("--default-draft", help="Without TARGET_DIR: which trained default draft runs beside SmolLM2."),
+    ] = DefaultDraft.dflash,
     draft: Annotated[
         Optional[Path],
         typer.Option("--draft", help="An exported DFlash/DSpark draft: speculative decoding, greedy output unchanged.", show_default=False),
@@ -36,6 +45,10 @@ def generate(
     num_assistant_tokens: Annotated[
         Optional[int],
         typer.Option("--num-assistant-tokens", min=0, help="Candidates per draft step (default: all the draft's block yields; 0: no drafting).", show_default=False),
+    ] = None,
+    markov_top_k: Annotated[
+        Optional[int],
+        typer.Option("--markov-top-k", min=0, help="DSpark drafts: candidates per row the Markov head scores (default: the export's K; 0: the dense Markov walk).", show_default=False),
     ] = None,
     draft_kv_cache_size: Annotated[
         Optional[float],
@@ -78,6 +91,7 @@ def generate(
         from dflash.core.errors import InputError
         from dflash.core.prompts import read_prompts_file
 
+        target_dir, draft, prompts = _resolve_models(target_dir, draft, prompts, default_draft, output)
         all_prompts = list(prompts or []) + (read_prompts_file(prompts_file) if prompts_file else [])
         if not all_prompts:
             raise InputError("no prompts given", "pass PROMPT arguments or --prompts-file FILE")
@@ -94,6 +108,7 @@ def generate(
             max_num_seqs=max_num_seqs,
             dynamic_split_fuse=dynamic_split_fuse,
             draft_kv_cache_size_gib=draft_kv_cache_size or kv_cache_size,
+            markov_head_top_k=markov_top_k,
         )
         with output.status(f"Loading {target_dir}" + (f" with draft {draft}" if draft else "")):
             engine = LLMEngine(target_dir, config, draft_dir=draft)
@@ -112,6 +127,22 @@ def generate(
                 _print_acceptance(engine, output)
     if any(result.error for result in finished):
         raise typer.Exit(1)
+
+
+def _resolve_models(target_dir, draft, prompts, default_draft, output: Output):
+    """TARGET_DIR is optional: a first argument that is not a folder is a prompt, and the models are
+    the embedded default pair (exported into the cache on first use)."""
+    prompts = list(prompts or [])
+    if target_dir is not None and not Path(target_dir).is_dir():
+        prompts.insert(0, target_dir)
+        target_dir = None
+    if target_dir is not None:
+        return Path(target_dir), draft, prompts
+    from dflash.exporters.default_pair import ensure_default_pair
+
+    with output.status("Preparing the default pair (SmolLM2-135M-Instruct)") as on_step:
+        pair = ensure_default_pair(default_draft.value, on_step=on_step)
+    return pair.target_dir, draft or pair.draft_dir, prompts
 
 
 def _stream_one(engine, prompt, params, chat: bool, output: Output, finished: list) -> None:

@@ -22,6 +22,7 @@ token for token: a candidate is committed only where it equals the target's argm
 
 from __future__ import annotations
 
+import copy
 import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -35,6 +36,7 @@ from .config import CacheConfig, SamplingParams, SchedulerConfig
 from .detokenizer import IncrementalDetokenizer
 from .errors import InputError
 from .kv_cache_manager import KVCacheManager
+from .markov import MarkovHeadRunner, load_markov_head
 from .metrics import SpecDecodingStats, StepTimes
 from .draft_runner import DraftRunner, read_draft_spec
 from .model_runner import StepInputs, StepOutputs, TargetRunner, read_ov_model
@@ -61,6 +63,10 @@ class EngineConfig:
     dynamic_split_fuse: bool = True
     draft_kv_cache_size_gib: float | None = None  # the draft's KV cache; default: as the target's
     num_draft_kv_blocks: int | None = None
+    # DSpark drafts with a Markov head: K of the Top-K candidate scorer (None: the export's K;
+    # 0: the dense Markov walk). use_markov_head=False runs the draft as plain DFlash (comparisons).
+    markov_head_top_k: int | None = None
+    use_markov_head: bool = True
 
     def scheduler_config(self, max_model_len: int | None) -> SchedulerConfig:
         return SchedulerConfig(
@@ -154,6 +160,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.model_dir)
         draft_model = read_ov_model(draft_dir) if draft_dir is not None else None
         draft_spec = read_draft_spec(draft_model) if draft_model is not None else None
+        markov = self._load_markov_head(draft_dir, draft_model) if draft_model is not None else None
         self.runner = TargetRunner(
             self.model_dir,
             device=self.config.device,
@@ -166,7 +173,7 @@ class LLMEngine:
         if draft_model is not None:
             draft_runner = DraftRunner(draft_model, self.model_dir, device=self.config.device, ov_config=self.config.ov_config)
             draft_kv = self._make_kv_cache(draft_runner, self.config.num_draft_kv_blocks, self.config.draft_kv_cache_size_gib)
-            self.proposer = DFlashProposer(draft_runner, draft_kv)
+            self.proposer = DFlashProposer(draft_runner, draft_kv, markov=markov, markov_top_k=self.config.markov_head_top_k)
             # A target prefix hit is only usable as far as the draft holds the same prefix.
             self.kv_cache_manager.prefix_hit_limit = self._draft_prefix_hit
         model_config = _model_config(self.model_dir)
@@ -180,6 +187,16 @@ class LLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         self._pending: list[RequestOutput] = []  # requests that finished outside a step (errors at add)
         self._ids = itertools.count()
+
+    def _load_markov_head(self, draft_dir: str | Path, draft_model) -> MarkovHeadRunner | None:
+        """A DSpark draft's Markov head (None for markov_rank 0, or when told to ignore it); loaded
+        before anything is compiled, so that a missing or unsupported head fails fast."""
+        if not self.config.use_markov_head:
+            return None
+        return load_markov_head(
+            draft_dir, draft_model, device=self.config.device, ov_config=self.config.ov_config,
+            vocab_size=_model_config(self.model_dir).get("vocab_size"),
+        )  # fmt: skip
 
     def _make_kv_cache(self, runner, num_blocks: int | None, size_gib: float | None) -> KVCacheManager:
         """A block pool sized in blocks or GiB (default 0.25 GiB), the runner's caches allocated to match."""
@@ -315,10 +332,16 @@ class LLMEngine:
             rows = logits[row : row + scheduled.num_sampled_rows]  # [1 + k, vocab]
             row += scheduled.num_sampled_rows
             if scheduled.num_spec_tokens == 0:
-                tokens = [self.sampler.sample(request.req_id, rows[0], request.sampling_params)]
+                sampled = self.sampler.sample(request.req_id, rows[0], request.sampling_params)
+                tokens = self._cut_at_stop(request, [sampled])
             else:
-                tokens = self._accept(request, rows.argmax(axis=-1))
-            new_tokens[scheduled.req_id] = self._cut_at_stop(request, tokens)
+                num_drafted = len(request.spec_token_ids)
+                tokens = self._cut_at_stop(request, self._accept(request, rows.argmax(axis=-1)))
+                # Counted after the cut: a stop inside the candidates ends the step early, and the
+                # counters add up to the committed tokens (accepted + 1 per verification step).
+                for stats in (self._tracked[request.req_id].spec, self.spec_stats):
+                    stats.observe(num_drafted, len(tokens) - 1)
+            new_tokens[scheduled.req_id] = tokens
         return new_tokens
 
     def _accept(self, request: Request, target_tokens: np.ndarray) -> list[int]:
@@ -327,14 +350,36 @@ class LLMEngine:
         num_accepted = 0
         while num_accepted < len(candidates) and candidates[num_accepted] == target_tokens[num_accepted]:
             num_accepted += 1
-        self._tracked[request.req_id].spec.observe(len(candidates), num_accepted)
-        self.spec_stats.observe(len(candidates), num_accepted)
         return [int(t) for t in target_tokens[: num_accepted + 1]]
 
     def _cut_at_stop(self, request: Request, tokens: list[int]) -> list[int]:
+        """The tokens a step may commit: none past max_new_tokens, none after a stop token and none
+        after the token whose text completes a stop string, so that a step that accepts several
+        tokens ends a request exactly where steps of one token would."""
+        tracked = self._tracked[request.req_id]
         tokens = tokens[: request.sampling_params.max_new_tokens - request.num_output_tokens]
-        stop_at = self._tracked[request.req_id].stop.first_stop(tokens)
-        return tokens if stop_at is None else tokens[: stop_at + 1]
+        stop_at = tracked.stop.first_stop(tokens)
+        if stop_at is not None:
+            tokens = tokens[: stop_at + 1]
+        if len(tokens) > 1 and request.sampling_params.stop_strings:
+            tokens = tokens[: self._stop_string_end(tracked, tokens)]
+        return tokens
+
+    def _stop_string_end(self, tracked: _Tracked, tokens: list[int]) -> int:
+        """How many of `tokens` to keep: up to the first one after which the text holds a stop string.
+
+        The text is checked token by token as the incremental detokenizer builds it (it holds back
+        incomplete characters, so a stop string shows at the same token as in one-token steps), on a
+        copy of the request's detokenizer that shares the tokenizer.
+        """
+        probe = copy.deepcopy(tracked.detokenizer, {id(self.tokenizer): self.tokenizer})
+        output = list(tracked.request.output_token_ids)
+        for index, token in enumerate(tokens[:-1]):
+            probe.add([token])
+            output.append(token)
+            if tracked.stop.check(output, probe.text) is not None:
+                return index + 1
+        return len(tokens)
 
     # ---- the draft -----------------------------------------------------------------------------------
 

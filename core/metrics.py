@@ -2,8 +2,11 @@
 
 Glossary (per verification step of one request):
   drafted   candidates the target verified this step (k)
-  accepted  leading candidates equal to the target's own greedy tokens (0..k)
-  bonus     the target's token after the accepted ones: every verification step commits accepted + 1
+  accepted  leading candidates equal to the target's own greedy tokens (0..k) that were committed
+  bonus     the target's token after the accepted ones: every verification step commits accepted + 1.
+            A stop token among the accepted candidates ends the step there and takes the bonus's
+            place (what follows it is neither committed nor counted), so the counters always add
+            up to the committed tokens.
 
 Mean accepted length = (accepted + drafts) / drafts: tokens per verification step, bonus included.
 """

@@ -25,6 +25,7 @@ import numpy as np
 
 from .draft_runner import BLOCK_ROW, CONTEXT_ROW, DraftInputs, DraftRunner
 from .kv_cache_manager import KVCacheManager
+from .markov import MarkovHeadRunner
 from .paged import SequenceSlice
 from .request import Request
 
@@ -58,12 +59,24 @@ class _Window:
 class DFlashProposer:
     """Plans one draft window per request, runs them in one packed inference, returns candidates."""
 
-    def __init__(self, runner: DraftRunner, kv_cache_manager: KVCacheManager):
+    def __init__(
+        self,
+        runner: DraftRunner,
+        kv_cache_manager: KVCacheManager,
+        *,
+        markov: MarkovHeadRunner | None = None,
+        markov_top_k: int | None = None,
+    ):
         self.runner = runner
         self.spec = runner.spec
         self.kv_cache_manager = kv_cache_manager
+        # A DSpark head picks each candidate after the one before (Top-K lattice, or dense walk with
+        # K 0); without one, each candidate row's argmax.
+        self.markov = markov
+        self.markov_top_k = markov.resolve_top_k(markov_top_k) if markov is not None else 0
         self._states: dict[str, DraftState] = {}
         self.warnings: list[str] = []
+        self.num_restored_tokens = 0  # prompt positions restored from the draft's prefix cache
 
     # ---- the ledger --------------------------------------------------------------------------
 
@@ -103,16 +116,25 @@ class DFlashProposer:
             return {}
         inputs = self._pack(windows)
         logits = self.runner.run(inputs)
-        candidates, row = {}, 0
+        drafting, row = [], 0
         for window in windows:
             window.state.num_consumed += window.num_context
             window.state.pending, window.state.num_pending = [], 0
             self._publish_prompt_blocks(window.request, window.state)
             if window.num_candidates:
-                picked = logits[row : row + window.num_candidates].argmax(axis=-1)
-                candidates[window.request.req_id] = [int(t) for t in picked]
+                drafting.append((window.request, logits[row : row + window.num_candidates]))
                 row += window.num_candidates
-        return candidates
+        return self._select(drafting)
+
+    def _select(self, drafting: list[tuple[Request, np.ndarray]]) -> dict[str, list[int]]:
+        """Each request's candidates from its candidate rows' logits [k, vocab]."""
+        if self.markov is None:
+            return {request.req_id: [int(t) for t in logits.argmax(axis=-1)] for request, logits in drafting}
+        # The token before the first candidate row is the seed/anchor: the newest committed token.
+        picked = self.markov.select_candidates(
+            [logits for _, logits in drafting], [request.all_token_ids[-1] for request, _ in drafting], self.markov_top_k
+        )
+        return {request.req_id: tokens for (request, _), tokens in zip(drafting, picked)}
 
     def num_candidates(self, request: Request) -> int:
         """Candidates to draft now: num_assistant_tokens (default: all a block yields), capped by the
@@ -182,6 +204,7 @@ class DFlashProposer:
         if not self.kv_cache_manager.allocate_slots(request, 0, blocks[: num_tokens // block_size], num_computed_tokens=0):
             return False
         state.num_consumed = num_tokens
+        self.num_restored_tokens += num_tokens
         return True
 
     def _publish_prompt_blocks(self, request: Request, state: DraftState) -> None:

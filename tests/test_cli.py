@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from dflash.cli.app import app
 
 REPO = Path(__file__).resolve().parent.parent
-COMMANDS = ["export", "validate"]
+COMMANDS = ["export", "validate", "generate", "train"]
 
 runner = CliRunner()
 

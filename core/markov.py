@@ -1,0 +1,271 @@
+"""The DSpark Markov head at runtime: choosing each block row's candidate after the token drafted before it.
+
+A DSpark draft's backbone gives every block row base logits U_k over the vocabulary (the anchor row
+predicts too). The vanilla Markov head adds a low-rank bias from the token drafted before the row,
+bias(x)[v] = <W1[x], W2[v]>, which makes the block semi-autoregressive: x_{-1} is the anchor (the
+request's newest committed token) and x_k = argmax(U_k + bias(x_{k-1})).
+
+Two ways to compute that walk (docs/draft-format.md has the head's I/O):
+
+- dense walk (`top_k == 0`): per position, the full [V] bias of the token before. Exact, and one head
+  call per position, batched over every request that drafts that position.
+- Top-K lattice (`top_k > 0`): each row keeps the K tokens with the highest base logits; one head
+  call scores every edge between a row's candidates and the candidates of the row before (the anchor
+  for the first row), for all packed block rows of all requests at once; then a greedy walk in numpy
+  takes, row by row, the best candidate after the token before. It equals the dense walk whenever the
+  dense winner is among the row's K candidates.
+
+A position whose previous token is not among the candidates the lattice scored after ends the block
+there: the lattice has no edge for it. (The greedy walk always chains a scored candidate; the rule
+guards the walk against lattices built otherwise.)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import openvino as ov
+
+from .errors import InputError, ModelFormatError
+
+MARKOV_HEAD_FILE = "openvino_markov_head_model.xml"
+SUPPORTED_HEAD_TYPES = ("vanilla",)
+
+_REEXPORT_HINT = "re-export the draft with `dflash export` (it writes the Markov head next to the backbone)"
+
+
+class MarkovHeadRunner:
+    """The compiled dense and Top-K parts of a vanilla Markov head, and the candidate walks on them.
+
+    `seconds` adds up the time spent in head inferences (the engine counts it in the draft's time,
+    since `select_candidates` runs inside the draft step).
+    """
+
+    def __init__(self, head: ov.Model | str | Path, *, device: str = "CPU", ov_config: dict[str, str] | None = None):
+        model = head if isinstance(head, ov.Model) else _read_head(Path(head))
+        head_type = _rt_info(model, "markov_head", "type") or "vanilla"
+        if head_type not in SUPPORTED_HEAD_TYPES:
+            raise ModelFormatError(
+                f"the Markov head is of type {head_type!r}; only the vanilla head is supported",
+                "use a DSpark draft trained with markov_head_type 'vanilla'",
+            )
+        from dflash.exporters.markov_head import markov_head_part
+
+        config = _head_config(device, ov_config)
+        core = ov.Core()
+        self._dense = core.compile_model(markov_head_part(model, "dense"), device, config).create_infer_request()
+        self._topk = core.compile_model(markov_head_part(model, "topk"), device, config).create_infer_request()
+        self.vocab_size = _shape_or_rt_info(model, "markov_bias", -1, "vocab_size")
+        self.rank = int(_rt_info(model, "markov_head", "rank") or 0)
+        default_k = _rt_info(model, "markov_head", "top_k")
+        self.default_top_k = int(default_k) if default_k is not None else min(8, self.vocab_size)
+        self.seconds = 0.0
+        self.num_calls = 0
+
+    # ---- the two parts ----------------------------------------------------------------------------
+
+    def markov_bias(self, prev_token_ids: np.ndarray) -> np.ndarray:
+        """Dense part: [N] previous tokens -> [N, V] f32 bias W2 · W1[prev]."""
+        return self._infer(self._dense, [np.asarray(prev_token_ids, dtype=np.int64).reshape(-1)])
+
+    def edge_scores(self, prev_candidate_ids: np.ndarray, candidate_ids: np.ndarray) -> np.ndarray:
+        """Top-K part: [R, Kp] and [R, K] token ids -> [R, Kp, K] f32 edge scores <W1[prev], W2[cand]>."""
+        prev = np.asarray(prev_candidate_ids, dtype=np.int64)
+        cand = np.asarray(candidate_ids, dtype=np.int64)
+        return self._infer(self._topk, [prev, cand])
+
+    def _infer(self, request: ov.InferRequest, inputs: list[np.ndarray]) -> np.ndarray:
+        start = time.perf_counter()
+        request.infer(inputs)
+        out = request.get_output_tensor(0).data.copy()
+        self.seconds += time.perf_counter() - start
+        self.num_calls += 1
+        return out
+
+    # ---- candidate selection --------------------------------------------------------------------------
+
+    def resolve_top_k(self, top_k: int | None) -> int:
+        """The K to use: None -> the export's default; 0 -> 0 (dense walk); else min(top_k, V)."""
+        if top_k is None:
+            return self.default_top_k
+        if top_k < 0:
+            raise InputError(f"markov_head_top_k must be >= 0, got {top_k}", "0 selects the dense Markov walk")
+        return min(top_k, self.vocab_size)
+
+    def select_candidates(
+        self, base_logits_per_request: Sequence[np.ndarray], anchors: Sequence[int], top_k: int
+    ) -> list[list[int]]:
+        """The drafted tokens of each request: its candidate rows' base logits [K_r, V] and its anchor
+        (the token before the first candidate row) in, K_r tokens (fewer where a block ends) out.
+
+        `top_k` 0 runs the dense walk, > 0 the Top-K lattice with that K (see `resolve_top_k`).
+        """
+        if len(base_logits_per_request) != len(anchors):
+            raise ValueError("one anchor per request is needed")
+        for logits in base_logits_per_request:
+            if logits.ndim != 2 or (len(logits) and logits.shape[1] != self.vocab_size):
+                raise ModelFormatError(
+                    f"the draft's logits have shape {list(logits.shape)}, the Markov head's vocabulary is {self.vocab_size}",
+                    "use the Markov head exported with this draft, for this target",
+                )
+        if top_k == 0:
+            return self._dense_walk(base_logits_per_request, anchors)
+        return self._lattice_walk(base_logits_per_request, anchors, min(top_k, self.vocab_size))
+
+    def _dense_walk(self, base: Sequence[np.ndarray], anchors: Sequence[int]) -> list[list[int]]:
+        drafted: list[list[int]] = [[] for _ in base]
+        for position in range(max((len(u) for u in base), default=0)):
+            active = [i for i, u in enumerate(base) if len(u) > position]
+            prev = [drafted[i][-1] if position else anchors[i] for i in active]
+            bias = self.markov_bias(np.asarray(prev, dtype=np.int64))  # one call for every request here
+            for row, i in enumerate(active):
+                drafted[i].append(int(np.argmax(base[i][position] + bias[row])))
+        return drafted
+
+    def _lattice_walk(self, base: Sequence[np.ndarray], anchors: Sequence[int], k: int) -> list[list[int]]:
+        lattices = [build_lattice(u, anchor, k) for u, anchor in zip(base, anchors)]
+        lattices_with_rows = [lat for lat in lattices if lat.num_rows]
+        if not lattices_with_rows:
+            return [[] for _ in base]
+        edges = self.edge_scores(
+            np.concatenate([lat.prev_candidate_ids for lat in lattices_with_rows]),
+            np.concatenate([lat.candidate_ids for lat in lattices_with_rows]),
+        )  # [sum K_r, K, K]: one call for every block row of every request
+        drafted, row = [], 0
+        for lat, anchor in zip(lattices, anchors):
+            drafted.append(greedy_lattice_walk(lat, edges[row : row + lat.num_rows], anchor))
+            row += lat.num_rows
+        return drafted
+
+
+# ---- the lattice, in numpy -------------------------------------------------------------------------
+
+
+class Lattice:
+    """One request's Top-K lattice: per candidate row its K candidates, their base logits, and the
+    tokens scored before them (the anchor, repeated to width K, for the first row)."""
+
+    def __init__(self, candidate_ids: np.ndarray, candidate_logits: np.ndarray, prev_candidate_ids: np.ndarray):
+        self.candidate_ids = candidate_ids  # [K_r, K] i64, best base logit first
+        self.candidate_logits = candidate_logits  # [K_r, K] f32
+        self.prev_candidate_ids = prev_candidate_ids  # [K_r, K] i64
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.candidate_ids)
+
+
+def top_k_candidates(logits: np.ndarray, k: int) -> np.ndarray:
+    """[rows, V] -> [rows, k] ids of the k highest logits per row, highest first (ties: lower id first)."""
+    if k >= logits.shape[1]:
+        return np.argsort(-logits, axis=1, kind="stable")
+    part = np.argpartition(-logits, k - 1, axis=1)[:, :k]
+    order = np.lexsort((part, -np.take_along_axis(logits, part, axis=1)), axis=1)
+    return np.take_along_axis(part, order, axis=1)
+
+
+def build_lattice(base_logits: np.ndarray, anchor: int, k: int) -> Lattice:
+    """The lattice of one request: base logits [K_r, V] of its candidate rows, its anchor token."""
+    if len(base_logits) == 0:
+        empty = np.zeros((0, k), dtype=np.int64)
+        return Lattice(empty, np.zeros((0, k), dtype=np.float32), empty)
+    candidates = top_k_candidates(base_logits, k).astype(np.int64)
+    prev = np.empty_like(candidates)
+    prev[0] = anchor  # the first row's only predecessor; repeated so that every row is K wide
+    prev[1:] = candidates[:-1]
+    return Lattice(candidates, np.take_along_axis(base_logits, candidates, axis=1), prev)
+
+
+def greedy_lattice_walk(lattice: Lattice, edge_scores: np.ndarray, anchor: int) -> list[int]:
+    """Row by row, the candidate with the best base logit + edge score after the token drafted before
+    (the anchor for the first row). Ends where that token is not among the row's scored predecessors."""
+    drafted: list[int] = []
+    prev_token = anchor
+    for row in range(lattice.num_rows):
+        slots = np.flatnonzero(lattice.prev_candidate_ids[row] == prev_token)
+        if len(slots) == 0:
+            break  # no edge leaves the previous token: the block ends here
+        scores = lattice.candidate_logits[row] + edge_scores[row, slots[0]]
+        prev_token = int(lattice.candidate_ids[row, int(np.argmax(scores))])
+        drafted.append(prev_token)
+    return drafted
+
+
+# ---- loading ----------------------------------------------------------------------------------------
+
+
+def load_markov_head(
+    draft_dir: str | Path,
+    draft_model: ov.Model,
+    *,
+    device: str = "CPU",
+    ov_config: dict[str, str] | None = None,
+    vocab_size: int | None = None,
+) -> MarkovHeadRunner | None:
+    """The Markov head of an exported draft, or None when its rt_info says markov_rank 0.
+
+    Raises ModelFormatError for a head type other than vanilla, a missing head file, or a head whose
+    vocabulary differs from `vocab_size` (the target's, when given).
+    """
+    from dflash.exporters.draft import read_draft_metadata
+
+    meta = read_draft_metadata(draft_model)
+    if meta.markov_rank <= 0:
+        return None
+    if meta.markov_head_type not in SUPPORTED_HEAD_TYPES:
+        raise ModelFormatError(
+            f"the draft's Markov head is of type {meta.markov_head_type!r}; only the vanilla head is supported",
+            "use a DSpark draft trained with markov_head_type 'vanilla'",
+        )
+    path = Path(draft_dir) / MARKOV_HEAD_FILE
+    if not path.is_file():
+        raise ModelFormatError(
+            f"the draft has markov_rank {meta.markov_rank} but {draft_dir} has no {MARKOV_HEAD_FILE}",
+            _REEXPORT_HINT,
+        )
+    head = MarkovHeadRunner(path, device=device, ov_config=ov_config)
+    if head.rank and head.rank != meta.markov_rank:
+        raise ModelFormatError(
+            f"the Markov head has rank {head.rank}, the draft's rt_info says {meta.markov_rank}", _REEXPORT_HINT
+        )
+    if vocab_size is not None and head.vocab_size != vocab_size:
+        raise ModelFormatError(
+            f"the Markov head covers {head.vocab_size} tokens, the target's vocabulary has {vocab_size}",
+            "use a DSpark draft trained for this target",
+        )
+    return head
+
+
+def _read_head(path: Path) -> ov.Model:
+    if not path.is_file():
+        raise ModelFormatError(f"no Markov head at {path}", _REEXPORT_HINT)
+    return ov.Core().read_model(path)
+
+
+def _head_config(device: str, ov_config: dict[str, str] | None) -> dict[str, str]:
+    """The engine's compile options, with f32 inference on CPU unless the caller chose a precision:
+    the head's weights are kept f32 on purpose (its bias decides between close candidates), and a
+    bf16 MatMul would round them away. Its cost is small next to the backbone's."""
+    config = dict(ov_config or {})
+    if device.upper().startswith("CPU"):
+        config.setdefault("INFERENCE_PRECISION_HINT", "f32")
+    return config
+
+
+def _rt_info(model: ov.Model, *path: str) -> str | None:
+    key = list(path)
+    return model.get_rt_info(key).astype(str) if model.has_rt_info(key) else None
+
+
+def _shape_or_rt_info(model: ov.Model, output: str, axis: int, key: str) -> int:
+    """A static output dimension (the head's V), else the rt_info value that records it."""
+    dim = model.output(output).get_partial_shape()[axis]
+    if dim.is_static:
+        return dim.get_length()
+    value = _rt_info(model, "markov_head", key)
+    if value is None:
+        raise ModelFormatError(f"the Markov head does not say its {key}", _REEXPORT_HINT)
+    return int(value)

