@@ -57,7 +57,7 @@ def handled_errors(output: Output, *, debug: bool) -> Iterator[None]:
 
     try:
         yield
-    except typer.Exit:
-        raise
+    except (typer.Exit, typer.BadParameter):
+        raise  # typer reports a bad option value itself, as a usage error (exit 2)
     except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - this is the one place that reports
         raise typer.Exit(report_exception(exc, output, debug=debug_enabled(debug))) from None

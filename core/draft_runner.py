@@ -17,18 +17,9 @@ import numpy as np
 import openvino as ov
 
 from .errors import ModelFormatError
-from .graph import SAMPLED_ROWS_INPUT, graft_embedding, graft_lm_head, insert_logits_gather
-from .model_runner import read_ov_model
-from .paged import (
-    KVCacheLayout,
-    SequenceSlice,
-    allocate_kv_caches,
-    fit_to_input,
-    pack_paged_inputs,
-    packed_positions,
-    read_kv_cache_layout,
-    to_paged_attention,
-)
+from .graph import graft_embedding, graft_lm_head, insert_logits_gather
+from .model_runner import PagedModel, read_ov_model
+from .paged import SequenceSlice, to_paged_attention
 
 CONTEXT_ROW = 0
 BLOCK_ROW = 1
@@ -74,8 +65,8 @@ def read_draft_spec(model: ov.Model) -> DraftSpec:
     )
 
 
-class DraftRunner:
-    """A compiled PagedAttention draft with the target's embedding and lm_head, and its KV caches."""
+class DraftRunner(PagedModel):
+    """The draft with the target's embedding and lm_head grafted on: logits of the candidate rows."""
 
     def __init__(
         self,
@@ -94,38 +85,18 @@ class DraftRunner:
         del target
         to_paged_attention(model)
         insert_logits_gather(model)
-        self.compiled = ov.Core().compile_model(model, device, ov_config or {})
-        self.layout: KVCacheLayout = read_kv_cache_layout(self.compiled)
-        self.block_size = self.layout.block_size
-        self._request = self.compiled.create_infer_request()
-        self._ports = {name: self.compiled.input(name) for name in ("input_ids", "position_ids", "token_type_ids", "hidden_states")}
-        self.num_blocks = 0
-
-    @property
-    def bytes_per_block(self) -> int:
-        return self.layout.bytes_per_block
+        super().__init__(model, device=device, ov_config=ov_config)
 
     @property
     def hidden_states_width(self) -> int:
         """k * H_target: the width of the target hidden rows the draft reads."""
-        return self._ports["hidden_states"].get_partial_shape()[-1].get_length()
-
-    def allocate_cache(self, num_blocks: int) -> None:
-        for name, tensor in allocate_kv_caches(self.layout, num_blocks).items():
-            self._request.set_tensor(name, tensor)
-        self.num_blocks = num_blocks
+        return self.compiled.input("hidden_states").get_partial_shape()[-1].get_length()
 
     def run(self, step: DraftInputs) -> np.ndarray:
         """Logits of the candidate rows. # [num_candidates, vocab] f32"""
-        inputs = pack_paged_inputs(step.seqs, self.block_size)
-        inputs["input_ids"] = fit_to_input(self._ports["input_ids"], step.token_ids)
-        inputs["position_ids"] = fit_to_input(self._ports["position_ids"], packed_positions(step.seqs))
-        inputs["token_type_ids"] = fit_to_input(self._ports["token_type_ids"], step.token_type_ids)
-        inputs["hidden_states"] = fit_to_input(self._ports["hidden_states"], step.hidden_states)
-        inputs[SAMPLED_ROWS_INPUT] = np.asarray(step.candidate_rows, dtype=np.int64)
-        self._request.infer(inputs)
-        logits = self._request.get_tensor("logits").data
-        return logits.reshape(logits.shape[0], logits.shape[-1]).copy()
+        rows = {"input_ids": step.token_ids, "token_type_ids": step.token_type_ids, "hidden_states": step.hidden_states}
+        self._infer(step.seqs, rows, step.candidate_rows)
+        return self._output("logits")
 
 
 def _check_widths(draft: ov.Model, target: ov.Model) -> None:

@@ -52,8 +52,45 @@ def read_ov_model(model_dir: str | Path) -> ov.Model:
     return ov.Core().read_model(path)
 
 
-class TargetRunner:
-    """A compiled PagedAttention target with its KV caches and one infer request."""
+class PagedModel:
+    """A compiled PagedAttention model, its KV caches and one infer request (shared by both runners)."""
+
+    def __init__(self, model: ov.Model, *, device: str, ov_config: dict[str, str] | None):
+        self.compiled = ov.Core().compile_model(model, device, ov_config or {})
+        self.layout: KVCacheLayout = read_kv_cache_layout(self.compiled)
+        self.block_size = self.layout.block_size
+        self.num_blocks = 0
+        self._request = self.compiled.create_infer_request()
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.layout.bytes_per_block
+
+    def allocate_cache(self, num_blocks: int) -> None:
+        """Allocate the KV caches once; the plugin writes into them in place."""
+        for name, tensor in allocate_kv_caches(self.layout, num_blocks).items():
+            self._request.set_tensor(name, tensor)
+        self.num_blocks = num_blocks
+
+    def _infer(self, seqs: list[SequenceSlice], rows: dict[str, np.ndarray], sample_rows: np.ndarray) -> None:
+        """One packed inference: paging inputs from `seqs`, per-row inputs fitted to the ports' ranks."""
+        inputs = pack_paged_inputs(seqs, self.block_size)
+        inputs["position_ids"] = packed_positions(seqs)
+        inputs.update(rows)
+        for name in ("position_ids", *rows):
+            inputs[name] = fit_to_input(self.compiled.input(name), inputs[name])
+        inputs[SAMPLED_ROWS_INPUT] = np.asarray(sample_rows, dtype=np.int64)
+        self._request.infer(inputs)
+
+    def _output(self, name: str) -> np.ndarray:
+        """An output as [rows, width]; spelled out because a step may sample no row at all, and
+        reshape(0, -1) of an empty array is an error."""
+        data = self._request.get_tensor(name).data
+        return data.reshape(data.shape[0], data.shape[-1]).copy()
+
+
+class TargetRunner(PagedModel):
+    """The target: logits of the sampled rows and, for a draft, the hidden states of every row."""
 
     def __init__(
         self,
@@ -68,44 +105,16 @@ class TargetRunner:
         if hidden_layer_ids:
             from dflash.exporters.hidden_states import hidden_state_outputs
 
+            # Resolved on the exported graph; the producers keep their names through the transformation.
             layer_outputs = hidden_state_outputs(model, hidden_layer_ids)
         to_paged_attention(model)
         insert_logits_gather(model)
         self.has_hidden_states = bool(layer_outputs)
         if layer_outputs:
             add_hidden_states_output(model, layer_outputs)
-        self.compiled = ov.Core().compile_model(model, device, ov_config or {})
-        self.layout: KVCacheLayout = read_kv_cache_layout(self.compiled)
-        self.block_size = self.layout.block_size
-        self._request = self.compiled.create_infer_request()
-        self._token_port = self.compiled.input("input_ids")
-        self._position_port = self.compiled.input("position_ids")
-        self._caches: dict[str, ov.Tensor] = {}
-        self.num_blocks = 0
-
-    @property
-    def bytes_per_block(self) -> int:
-        return self.layout.bytes_per_block
-
-    def allocate_cache(self, num_blocks: int) -> None:
-        """Allocate the KV caches once; the plugin writes into them in place."""
-        self._caches = allocate_kv_caches(self.layout, num_blocks)
-        for name, tensor in self._caches.items():
-            self._request.set_tensor(name, tensor)
-        self.num_blocks = num_blocks
+        super().__init__(model, device=device, ov_config=ov_config)
 
     def run(self, step: StepInputs) -> StepOutputs:
-        inputs = pack_paged_inputs(step.seqs, self.block_size)
-        inputs["input_ids"] = fit_to_input(self._token_port, step.token_ids)
-        inputs["position_ids"] = fit_to_input(self._position_port, packed_positions(step.seqs))
-        inputs[SAMPLED_ROWS_INPUT] = np.asarray(step.sample_rows, dtype=np.int64)
-        self._request.infer(inputs)
-        logits = self._request.get_tensor("logits").data
-        hidden = None
-        if self.has_hidden_states:
-            hidden = self._request.get_tensor(HIDDEN_STATES_OUTPUT).data
-            hidden = hidden.reshape(hidden.shape[0], -1).copy()
-        # [num_sampled, vocab]; spelled out because a step of prompt chunks only samples no row,
-        # and reshape(0, -1) of an empty array is an error.
-        logits = logits.reshape(logits.shape[0], logits.shape[-1]).copy()
-        return StepOutputs(logits=logits, hidden_states=hidden)
+        self._infer(step.seqs, {"input_ids": step.token_ids}, step.sample_rows)
+        hidden = self._output(HIDDEN_STATES_OUTPUT) if self.has_hidden_states else None
+        return StepOutputs(logits=self._output("logits"), hidden_states=hidden)

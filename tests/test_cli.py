@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from dflash.cli.app import app
 
 REPO = Path(__file__).resolve().parent.parent
-COMMANDS = ["export", "validate", "generate", "train"]
+COMMANDS = ["export", "validate", "generate", "bench", "train"]
 
 runner = CliRunner()
 
@@ -75,6 +75,12 @@ def test_export_unreachable_hub_id_exits_2(tmp_path, monkeypatch):
     result = runner.invoke(app, ["export", "no-such-org/no-such-model", str(tmp_path / "out")])
     assert result.exit_code == 2
     assert "no-such-org/no-such-model" in result.stderr
+
+
+def test_malformed_ov_config_is_a_usage_error(tmp_path):
+    result = runner.invoke(app, ["generate", str(tmp_path), "hi", "--ov-config", "NO_EQUALS_SIGN"])
+    assert result.exit_code == 2
+    assert "KEY=VALUE" in result.output
 
 
 def test_debug_shows_the_traceback(tmp_path):

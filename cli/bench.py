@@ -1,0 +1,333 @@
+"""`dflash bench`: the target alone vs speculative settings, on the same prompts, in one run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.markup import escape
+
+from ._errors import EXIT_INTERRUPTED, handled_errors
+from ._options import DebugOpt, OvConfigOpt, QuietOpt, parse_ov_config
+from ._output import Output
+
+EXAMPLES = """\
+Examples:
+
+  dflash bench                                              # the embedded SmolLM2 pair, HumanEval
+
+  dflash bench --default-draft dspark --num-prompts 10 --max-new-tokens 64 --concurrency 1
+
+  dflash bench out/target --draft out/draft --concurrency 1,4,8 --num-assistant-tokens 4,8,15 --json bench.json
+
+  dflash bench out/target --draft out/draft --dataset prompts.jsonl --plot bench.png --min-accepted-length 2
+
+  dflash bench out/target --draft out/draft --ov-config INFERENCE_PRECISION_HINT=f32 --ov-config KV_CACHE_PRECISION=f32
+"""
+
+
+def bench(
+    target_dir: Annotated[
+        Optional[Path],
+        typer.Argument(help="An exported target folder [default: the embedded SmolLM2-135M pair].", show_default=False),
+    ] = None,
+    draft: Annotated[
+        Optional[Path], typer.Option("--draft", help="An exported DFlash/DSpark draft (required with TARGET_DIR).", show_default=False)
+    ] = None,
+    default_draft: Annotated[
+        str, typer.Option("--default-draft", help="Without TARGET_DIR: the embedded draft, dflash or dspark.")
+    ] = "dflash",
+    dataset: Annotated[
+        str, typer.Option("--dataset", help="humaneval (164 prompts) or a prompts file (.txt / .jsonl).")
+    ] = "humaneval",
+    num_prompts: Annotated[int, typer.Option("--num-prompts", min=0, help="The first N prompts (0: all).")] = 16,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="Tokens each request generates (greedy, ignore EOS).")] = 128,
+    concurrency: Annotated[str, typer.Option("--concurrency", help="Requests in flight, comma-separated: e.g. 1,4,8.")] = "1,4",
+    num_assistant_tokens: Annotated[
+        str, typer.Option("--num-assistant-tokens", help="Candidates per draft step, comma-separated; auto = all the draft's block yields.")
+    ] = "auto",
+    markov_top_k: Annotated[
+        str, typer.Option("--markov-top-k", help="DSpark drafts: Markov head top-K values, comma-separated; auto = the export's K, 0 = dense.")
+    ] = "auto",
+    chat: Annotated[
+        Optional[bool], typer.Option("--chat/--no-chat", help="Apply the chat template (default: when the tokenizer has one).", show_default=False)
+    ] = None,
+    warmup: Annotated[int, typer.Option("--warmup", min=0, help="Warm-up requests per engine, excluded from the figures.")] = 2,
+    kv_cache_size: Annotated[Optional[float], typer.Option("--kv-cache-size", min=0.001, help="KV cache size in GiB [default: 0.25].", show_default=False)] = None,
+    max_num_batched_tokens: Annotated[int, typer.Option("--max-num-batched-tokens", min=1, help="Token budget of one engine step.")] = 256,
+    device: Annotated[str, typer.Option("--device", help="OpenVINO device.")] = "CPU",
+    ov_config: OvConfigOpt = None,
+    strict: Annotated[bool, typer.Option("--strict", help="Exit 1 on any output that differs from the baseline, even with bf16 inference.")] = False,
+    json_file: Annotated[Optional[Path], typer.Option("--json", help="Write every figure and the environment to FILE (schema: docs/bench-json.md).", show_default=False)] = None,
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="Write acceptance by position and throughput vs concurrency to FILE.png (needs matplotlib).", show_default=False)] = None,
+    no_baseline: Annotated[bool, typer.Option("--no-baseline", help="Skip the target-alone runs (no speedup, no lossless check).")] = False,
+    min_accepted_length: Annotated[
+        Optional[float], typer.Option("--min-accepted-length", min=0.0, help="Exit 1 if a setting's mean accepted length is below X.", show_default=False)
+    ] = None,
+    quiet: QuietOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Benchmark speculative decoding against the target alone: throughput, latency, acceptance.
+
+    Runs the autoregressive baseline and every setting of the sweep (concurrency x num-assistant-tokens x markov-top-k) on the same prompts, greedy with EOS ignored, and checks every speculative output token for token against the baseline. Exit codes: 0 ok; 1 an output differs with f32 inference (or with --strict), a request failed, or the mean accepted length is below --min-accepted-length; 2 usage; 130 interrupted (the finished settings are still written to --json).
+    """
+    output = Output(quiet=quiet)
+    report = None
+    # Malformed option values are usage errors that click reports (exit 2), before anything loads.
+    concurrencies = _int_list(concurrency, "--concurrency", minimum=1)
+    assistant_tokens = _int_list(num_assistant_tokens, "--num-assistant-tokens", minimum=1, auto=True)
+    top_ks = _int_list(markov_top_k, "--markov-top-k", minimum=0, auto=True)
+    properties = parse_ov_config(ov_config)
+    with handled_errors(output, debug=debug):
+        from dflash.core.bench import BenchOptions, load_dataset, run_bench
+        from dflash.core.engine import EngineConfig
+        from dflash.core.errors import InputError
+
+        config = EngineConfig(
+            device=device,
+            ov_config=properties,
+            kv_cache_size_gib=kv_cache_size,
+            draft_kv_cache_size_gib=kv_cache_size,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max(max(concurrencies), 1),
+        )
+        if plot is not None:
+            _require_matplotlib()
+        prompts = load_dataset(dataset, num_prompts)
+        target_dir, draft = _resolve_pair(target_dir, draft, default_draft, output)
+        if target_dir is None or draft is None:
+            raise InputError("a target needs a draft to benchmark", "pass --draft DRAFT_DIR, or no TARGET_DIR for the embedded pair")
+        options = BenchOptions(
+            target_dir=target_dir, draft_dir=draft, prompts=prompts, engine_config=config,
+            max_new_tokens=max_new_tokens, concurrencies=concurrencies, num_assistant_tokens=assistant_tokens,
+            markov_top_ks=top_ks, chat=chat, warmup=warmup, baseline=not no_baseline, dataset=dataset,
+        )  # fmt: skip
+        with _LiveProgress(output) as progress:
+            report = run_bench(options, progress)
+        _print_tables(report, output)
+        if json_file is not None:
+            _write_json(report, json_file)
+            output.info(f"[dim]wrote {escape(str(json_file))}[/dim]")
+        if plot is not None and report.settings:
+            plot_report(report, plot)
+            output.info(f"[dim]wrote {escape(str(plot))}[/dim]")
+    if report.status == "interrupted":
+        output.error("interrupted" + (f"; the finished settings are in {json_file}" if json_file else ""))
+        raise typer.Exit(EXIT_INTERRUPTED)
+    raise typer.Exit(_verdict(report, output, strict=strict, min_accepted_length=min_accepted_length))
+
+
+# ---- options ----------------------------------------------------------------------------------------------
+
+
+def _int_list(text: str, option: str, *, minimum: int, auto: bool = False) -> list:
+    """"1,4,8" -> [1, 4, 8]; "auto" -> [None] where allowed. Bad values are usage errors (exit 2)."""
+    values: list = []
+    for item in (part.strip() for part in text.split(",")):
+        if auto and item.lower() == "auto":
+            values.append(None)
+            continue
+        try:
+            value = int(item)
+        except ValueError:
+            raise typer.BadParameter(f"{item!r} is not an integer" + (" or auto" if auto else ""), param_hint=option) from None
+        if value < minimum:
+            raise typer.BadParameter(f"{value} is below {minimum}", param_hint=option)
+        values.append(value)
+    return list(dict.fromkeys(values))
+
+
+def _resolve_pair(target_dir: Path | None, draft: Path | None, default_draft: str, output: Output):
+    """The folders to benchmark: as given, or the embedded default pair (exported on first use)."""
+    if target_dir is not None:
+        return target_dir, draft
+    from dflash.exporters.default_pair import ensure_default_pair
+
+    with output.status(f"Preparing the embedded default pair ({default_draft})") as step:
+        pair = ensure_default_pair(default_draft, on_step=step)
+    return pair.target_dir, draft or pair.draft_dir
+
+
+def _require_matplotlib() -> None:
+    from dflash.core.errors import InputError
+
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise InputError("--plot needs matplotlib, which is not installed", "pip install matplotlib, or drop --plot") from None
+
+
+# ---- the verdict --------------------------------------------------------------------------------------------
+
+
+def _verdict(report, output: Output, *, strict: bool, min_accepted_length: float | None) -> int:
+    """The exit code: 1 for a lossless violation, a failed request or too short accepted lengths."""
+    failed = False
+    for error in report.errors:
+        output.error(escape(error))
+        failed = True
+    mismatches = report.mismatches
+    if mismatches and (report.exact or strict):
+        setting, first = mismatches[0]
+        why = "with f32 inference this is a bug" if report.exact else "--strict"
+        output.error(escape(
+            f"{len(mismatches)} speculative output(s) differ from the baseline ({why}); first: {setting.name}, "
+            f"prompt {first.prompt_index} {first.prompt!r}, first divergence at token {first.first_divergence}"
+        ))  # fmt: skip
+        failed = True
+    if min_accepted_length is not None:
+        for setting in report.speculative:
+            tau = (setting.spec or {}).get("mean_accepted_length")
+            if tau is None or tau < min_accepted_length:
+                shown = "none" if tau is None else f"{tau:.2f}"
+                output.error(f"{escape(setting.name)}: mean accepted length {shown} < --min-accepted-length {min_accepted_length:g}")
+                failed = True
+    return 1 if failed else 0
+
+
+# ---- the live display -----------------------------------------------------------------------------------------
+
+
+class _LiveProgress:
+    """A rich progress bar per setting on stderr (only on a terminal and without --quiet)."""
+
+    def __init__(self, output: Output):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        from dflash.core.bench import BenchProgress
+
+        self.output = output
+        self.enabled = not output.quiet and output.err.is_terminal
+        self.progress = Progress(
+            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rate]}"),
+            TimeElapsedColumn(), console=output.err, disable=not self.enabled,
+        )  # fmt: skip
+        self.task = None
+        self.tokens = 0
+        self.started = 0.0
+        outer = self
+
+        class _Callbacks(BenchProgress):
+            def stage(self, message: str) -> None:
+                outer.output.info(f"[dim]{escape(message)}[/dim]")
+
+            def setting_started(self, name: str, num_requests: int) -> None:
+                import time
+
+                outer.tokens, outer.started = 0, time.perf_counter()
+                outer.task = outer.progress.add_task(name, total=num_requests, rate="")
+
+            def request_finished(self, num_generated_tokens: int) -> None:
+                import time
+
+                outer.tokens += num_generated_tokens
+                elapsed = time.perf_counter() - outer.started
+                rate = f"{outer.tokens / elapsed:.1f} tok/s" if elapsed > 0 else ""
+                outer.progress.update(outer.task, advance=1, rate=rate)
+
+            def setting_finished(self, result) -> None:
+                line = f"{result.name}: {result.tokens_per_s:.1f} tok/s"
+                if result.speedup is not None:
+                    line += f", {result.speedup:.2f}x"
+                if result.spec and result.spec.get("mean_accepted_length") is not None:
+                    line += f", tau {result.spec['mean_accepted_length']:.2f}"
+                if not outer.enabled:
+                    outer.output.info(f"[dim]{escape(line)}[/dim]")
+
+            def warning(self, message: str) -> None:
+                outer.output.warning(escape(message))
+
+        self.callbacks = _Callbacks()
+
+    def __enter__(self):
+        self.progress.__enter__()
+        return self.callbacks
+
+    def __exit__(self, *exc) -> None:
+        self.progress.__exit__(*exc)
+
+
+# ---- tables, JSON, plot -----------------------------------------------------------------------------------------
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.1f}"
+
+
+def _fmt(value: float | None, pattern: str) -> str:
+    return "-" if value is None else format(value, pattern)
+
+
+def _print_tables(report, output: Output) -> None:
+    """Three narrow tables (they fit 80 columns): speed and latency, acceptance and time shares,
+    acceptance by draft position."""
+    from rich.table import Table
+
+    if not report.settings:
+        return
+    suffix = "" if report.status == "complete" else f" ({report.status})"
+    speed = Table(title="throughput and latency" + suffix)
+    for column in ("setting", "tok/s", "speedup", "TTFT50", "TTFT90", "TPOT50", "TPOT90"):
+        speed.add_column(column, justify="left" if column == "setting" else "right", no_wrap=True)
+    for s in report.settings:
+        speedup = "-" if s.speedup is None else f"{s.speedup:.2f}x"
+        speed.add_row(s.name, f"{s.tokens_per_s:.1f}", speedup, _ms(s.ttft_s["p50"]), _ms(s.ttft_s["p90"]),
+                      _ms(s.tpot_s["p50"]), _ms(s.tpot_s["p90"]))  # fmt: skip
+    output.data(speed)
+    output.data("[dim](TTFT/TPOT p50/p90 in ms; speedup over the baseline at the same concurrency; =base: outputs identical to the baseline, 1st diff: median first differing token)[/dim]")
+    if not report.speculative:
+        return
+    acceptance = Table(title="acceptance" + suffix)
+    for column in ("setting", "tau", "acc", "target", "draft", "=base", "1st diff"):
+        acceptance.add_column(column, justify="left" if column == "setting" else "right", no_wrap=True)
+    for s in report.speculative:
+        spec = s.spec or {}
+        agreement = f"{s.agreement.identical}/{s.agreement.compared}" if s.agreement else "-"
+        divergence = _fmt(s.agreement.median_first_divergence, "g") if s.agreement else "-"
+        acceptance.add_row(s.name, _fmt(spec.get("mean_accepted_length"), ".2f"), _fmt(spec.get("acceptance_rate"), ".1%"),
+                           _fmt(s.target_share, ".0%"), _fmt(s.draft_share, ".0%"), agreement, divergence)  # fmt: skip
+    output.data(acceptance)
+    positions = Table(title="acceptance by draft position")
+    positions.add_column("setting", no_wrap=True)
+    positions.add_column("positions 1..k")
+    for s in report.speculative:
+        rates = (s.spec or {}).get("acceptance_by_position") or []
+        positions.add_row(s.name, " ".join(f"{r:.2f}" for r in rates) or "-")
+    output.data(positions)
+
+
+def _write_json(report, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report.to_json(), indent=2, default=str) + "\n", encoding="utf-8")
+
+
+def plot_report(report, path: Path) -> None:
+    """Two panels: acceptance by draft position per setting, and tokens/s vs concurrency."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for s in report.speculative:
+        rates = (s.spec or {}).get("acceptance_by_position") or []
+        if rates:
+            left.plot(range(1, len(rates) + 1), rates, marker="o", label=s.name)
+    left.set(title="acceptance by draft position", xlabel="draft position", ylabel="acceptance", ylim=(0, 1.05))
+    if left.lines:
+        left.legend(fontsize="small")
+    series: dict[str, list[tuple[int, float]]] = {}
+    for s in report.settings:
+        key = "baseline" if s.kind == "baseline" else s.name.replace(f" c={s.concurrency}", "")  # one line per k/top-k
+        series.setdefault(key, []).append((s.concurrency, s.tokens_per_s))
+    for label, points in series.items():
+        points.sort()
+        right.plot([c for c, _ in points], [t for _, t in points], marker="o", label=label)
+    right.set(title="throughput vs concurrency", xlabel="concurrency", ylabel="tokens/s")
+    right.legend(fontsize="small")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

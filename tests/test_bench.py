@@ -1,0 +1,199 @@
+"""`dflash bench` on a tiny random pair: the JSON schema, figures that agree with the engine's own
+counters, a planted lossless violation, prompts-file errors, Ctrl-C mid-sweep and the
+--min-accepted-length gate.
+
+Inference runs with f32 compute and f32 KV caches, where the speculative outputs must equal the
+baseline's token for token; a random draft accepts almost nothing (mean accepted length near 1).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+import dflash.core.bench as core_bench
+from dflash.cli.bench import bench
+from dflash.core.config import SamplingParams
+from dflash.core.engine import EngineConfig, LLMEngine
+from dflash.core.metrics import SpecDecodingStats
+from dflash.exporters.draft import export_draft
+from dflash.exporters.draft_checkpoint import make_tiny_draft
+from dflash.exporters.target import export_target
+from dflash.exporters.tiny import make_tiny_target
+
+F32 = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
+F32_ARGS = ["--ov-config", "INFERENCE_PRECISION_HINT=f32", "--ov-config", "KV_CACHE_PRECISION=f32"]
+PROMPTS = ["Hello, world!", "def add(a, b):", "The quick brown fox jumps over the lazy dog."]
+NEW_TOKENS = 8
+
+app = typer.Typer()
+app.command()(bench)
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("bench")
+    target_hf = make_tiny_target(root / "hf-target", "qwen3", seed=3)
+    draft_hf = make_tiny_draft(root / "hf-draft", target_hf, kind="dflash", block_size=4, seed=11)
+    target = export_target(target_hf, root / "ov-target", weight_format="fp32")
+    draft = export_draft(draft_hf, root / "ov-draft", weight_format="fp32")
+    return target, draft
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("prompts") / "prompts.txt"
+    path.write_text("\n".join(PROMPTS) + "\n")
+    return path
+
+
+def run_cli(pair, prompts_file, tmp_path, *extra: str):
+    target, draft = pair
+    json_file = tmp_path / "bench.json"
+    args = [str(target), "--draft", str(draft), "--dataset", str(prompts_file), "--max-new-tokens", str(NEW_TOKENS),
+            "--warmup", "1", "--json", str(json_file), *F32_ARGS, *extra]  # fmt: skip
+    result = runner.invoke(app, args)
+    data = json.loads(json_file.read_text()) if json_file.exists() else None
+    return result, data
+
+
+@pytest.fixture(scope="module")
+def sweep(pair, prompts_file, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("sweep")
+    result, data = run_cli(pair, prompts_file, workdir, "--concurrency", "1,2", "--plot", str(workdir / "bench.png"))
+    return result, data, workdir / "bench.png"
+
+
+def test_plot_is_written(sweep):
+    result, _, plot = sweep
+    assert result.exit_code == 0, result.output
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 1000
+
+
+def test_json_schema(sweep):
+    result, data, _ = sweep
+    assert result.exit_code == 0, result.output
+    assert data["schema_version"] == core_bench.SCHEMA_VERSION
+    assert data["status"] == "complete" and data["exact"] is True
+    env = data["environment"]
+    for key in ("dflash_version", "openvino_version", "python_version", "cpu_model", "target_dir", "draft_dir"):
+        assert key in env
+    assert isinstance(env["python_version"], str) and isinstance(env["openvino_version"], str)
+    assert env["target_weight_precisions"] and "f32" in env["target_weight_precisions"]
+    options = data["options"]
+    assert options["concurrency"] == [1, 2] and options["max_new_tokens"] == NEW_TOKENS
+    assert options["num_assistant_tokens"] == [None] and options["num_prompts"] == 3
+    assert options["engine_config"]["ov_config"] == F32
+    assert len(data["prompts"]) == 3 and all(PROMPTS[i] in p for i, p in enumerate(data["prompts"]))
+    names = [s["name"] for s in data["settings"]]
+    assert names == ["baseline c=1", "baseline c=2", "spec c=1 k=auto", "spec c=2 k=auto"]
+    for s in data["settings"]:
+        assert s["num_requests"] == 3 and s["num_generated_tokens"] == 3 * NEW_TOKENS
+        assert s["wall_s"] > 0 and s["tokens_per_s"] == pytest.approx(s["num_generated_tokens"] / s["wall_s"])
+        assert set(s["ttft_s"]) == {"p50", "p90"} and s["ttft_s"]["p50"] <= s["ttft_s"]["p90"]
+        assert s["tpot_s"]["p50"] > 0
+        assert set(s["times"]) == {"target_s", "draft_s", "step_s", "num_steps"}
+        assert 0 < s["target_share"] <= 1
+        assert s["errors"] == []
+        if s["kind"] == "baseline":
+            assert s["spec"] is None and s["agreement"] is None and s["speedup"] is None and s["draft_share"] is None
+            assert s["times"]["draft_s"] == 0
+        else:
+            assert s["kind"] == "speculative" and 0 < s["draft_share"] < 1
+            assert isinstance(s["speedup"], float)
+            assert set(s["spec"]) >= {"num_drafts", "num_draft_tokens", "num_accepted_tokens", "mean_accepted_length",
+                                      "acceptance_rate", "acceptance_by_position"}  # fmt: skip
+            # f32: every speculative output equals the baseline's.
+            assert s["agreement"]["compared"] == 3 and s["agreement"]["identical"] == 3
+            assert s["agreement"]["mismatches"] == [] and s["agreement"]["median_first_divergence"] is None
+    assert "spec c=2 k=auto" in result.output  # the table on stdout
+
+
+def test_figures_agree_with_a_direct_engine_run(sweep, pair):
+    """The JSON's acceptance totals are what the engine's own counters give for the same prompts."""
+    _, data, _ = sweep
+    target, draft = pair
+    engine = LLMEngine(target, EngineConfig(ov_config=F32), draft_dir=draft)
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    before = SpecDecodingStats()
+    before.merge(engine.spec_stats)
+    direct = SpecDecodingStats()
+    for prompt in PROMPTS:  # one at a time: concurrency 1
+        (result,) = engine.generate([prompt], params, chat=True)
+        direct.merge(result.spec)
+    engine_delta = engine.spec_stats  # the engine-wide counters agree with the per-request ones
+    assert engine_delta.num_accepted_tokens - before.num_accepted_tokens == direct.num_accepted_tokens
+    for setting in data["settings"][2:]:
+        assert setting["spec"] == direct.to_json()
+        # Every verification step commits accepted + 1 tokens; steps without candidates commit one.
+        spec = setting["spec"]
+        assert 0 < spec["num_accepted_tokens"] + spec["num_drafts"] <= setting["num_generated_tokens"]
+
+
+def test_a_planted_mismatch_fails_with_the_prompt(pair, prompts_file, tmp_path, monkeypatch):
+    accept = LLMEngine._accept
+
+    def corrupt(self, request, target_tokens):
+        tokens = accept(self, request, target_tokens)
+        if request.prompt_token_ids and "fox" in self.tokenizer.decode(request.prompt_token_ids):
+            tokens[-1] = (tokens[-1] + 1) % 500  # a wrong bonus token for one prompt
+        return tokens
+
+    monkeypatch.setattr(LLMEngine, "_accept", corrupt)  # only the draft engine verifies candidates
+    result, data = run_cli(pair, prompts_file, tmp_path, "--concurrency", "1")
+    assert result.exit_code == 1, result.output
+    assert "differ from the baseline" in result.output and "The quick brown fox" in result.output
+    agreement = data["settings"][1]["agreement"]
+    assert agreement["identical"] == 2 and agreement["mismatches"][0]["prompt_index"] == 2
+
+
+def test_prompts_file_errors_have_line_numbers(pair, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"prompt": \n')
+    target, draft = pair
+    result = runner.invoke(app, [str(target), "--draft", str(draft), "--dataset", str(bad)])
+    assert result.exit_code == 2
+    assert "bad.jsonl:2" in result.output
+
+
+def test_bad_concurrency_is_a_usage_error(pair, prompts_file):
+    target, draft = pair
+    result = runner.invoke(app, [str(target), "--draft", str(draft), "--dataset", str(prompts_file), "--concurrency", "1,x"])
+    assert result.exit_code == 2 and "--concurrency" in result.output
+
+
+def test_plot_without_matplotlib_is_a_clear_error(pair, prompts_file, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    target, draft = pair
+    result = runner.invoke(app, [str(target), "--draft", str(draft), "--dataset", str(prompts_file), "--plot", "x.png"])
+    assert result.exit_code == 2 and "matplotlib" in result.output
+
+
+def test_ctrl_c_writes_the_finished_settings(pair, prompts_file, tmp_path, monkeypatch):
+    calls = []
+    run = core_bench.run_with_concurrency
+
+    def interrupted_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(core_bench, "run_with_concurrency", interrupted_second)
+    result, data = run_cli(pair, prompts_file, tmp_path, "--concurrency", "1,2")
+    assert result.exit_code == 130, result.output
+    assert data["status"] == "interrupted"
+    assert [s["name"] for s in data["settings"]] == ["baseline c=1"]
+
+
+def test_min_accepted_length_above_a_random_draft_fails(pair, prompts_file, tmp_path):
+    result, data = run_cli(pair, prompts_file, tmp_path, "--concurrency", "1", "--min-accepted-length", "2.5")
+    assert result.exit_code == 1, result.output
+    tau = data["settings"][1]["spec"]["mean_accepted_length"]
+    assert tau < 2.5 and "--min-accepted-length" in result.output
