@@ -9,7 +9,9 @@ from typing import Annotated, Optional
 import typer
 
 
-class DefaultDraft(str, Enum):
+class DraftKind(str, Enum):
+    """The two draft families: z-lab DFlash and DeepSpec DSpark."""
+
     dflash = "dflash"
     dspark = "dspark"
 

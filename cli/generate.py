@@ -10,7 +10,7 @@ import typer
 from rich.markup import escape
 
 from ._errors import handled_errors
-from ._options import DebugOpt, DefaultDraft, JsonOpt, OvConfigOpt, QuietOpt, parse_ov_config
+from ._options import DebugOpt, DraftKind, JsonOpt, OvConfigOpt, QuietOpt, parse_ov_config
 from ._output import Output
 
 EXAMPLES = """\
@@ -35,9 +35,9 @@ def generate(
     ] = None,
     prompts: Annotated[Optional[list[str]], typer.Argument(help="Prompts to generate from.", show_default=False)] = None,
     default_draft: Annotated[
-        DefaultDraft,
+        DraftKind,
         typer.Option("--default-draft", help="Without TARGET_DIR: which trained default draft runs beside SmolLM2."),
-    ] = DefaultDraft.dflash,
+    ] = DraftKind.dflash,
     draft: Annotated[
         Optional[Path],
         typer.Option("--draft", help="An exported DFlash/DSpark draft: speculative decoding, greedy output unchanged.", show_default=False),

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Iterator, Optional
 import typer
 
 from ._errors import handled_errors
-from ._options import DebugOpt, JsonOpt, QuietOpt
+from ._options import DebugOpt, DraftKind, JsonOpt, QuietOpt
 from ._output import Output
 
 EXAMPLES = """\
@@ -29,11 +29,6 @@ DATA_FILE = "train_data.jsonl"
 DEFAULT_PROMPTS = 1000
 
 
-class Kind(str, Enum):
-    dflash = "dflash"
-    dspark = "dspark"
-
-
 class Device(str, Enum):
     cuda = "cuda"
     cpu = "cpu"
@@ -48,7 +43,7 @@ class SaveDtype(str, Enum):
 def train(
     target: Annotated[Path, typer.Argument(help="The target: a local Hugging Face causal LM folder (chat model).", show_default=False)],
     output_dir: Annotated[Path, typer.Argument(help="Folder for the draft checkpoint (what `dflash export` reads).", show_default=False)],
-    kind: Annotated[Kind, typer.Option("--kind", help="dflash: z-lab layout, the seed row predicts nothing. dspark: DeepSpec layout, the anchor row predicts, Markov head.")] = Kind.dflash,
+    kind: Annotated[DraftKind, typer.Option("--kind", help="dflash: z-lab layout, the seed row predicts nothing. dspark: DeepSpec layout, the anchor row predicts, Markov head.")] = DraftKind.dflash,
     block_size: Annotated[Optional[int], typer.Option("--block-size", help="Rows per block, seed/anchor included (default: 16 for dflash, 7 for dspark).", show_default=False)] = None,
     num_layers: Annotated[int, typer.Option("--num-layers", help="Draft decoder layers.")] = 1,
     markov_rank: Annotated[Optional[int], typer.Option("--markov-rank", help="Rank of the DSpark Markov head, 0 for none (default: 32 for dspark).", show_default=False)] = None,
