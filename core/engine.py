@@ -172,7 +172,11 @@ class LLMEngine:
         self.proposer: DFlashProposer | None = None
         if draft_model is not None:
             draft_runner = DraftRunner(draft_model, self.model_dir, device=self.config.device, ov_config=self.config.ov_config)
-            draft_kv = self._make_kv_cache(draft_runner, self.config.num_draft_kv_blocks, self.config.draft_kv_cache_size_gib)
+            draft_kv = self._make_kv_cache(
+                draft_runner,
+                self.config.num_draft_kv_blocks,
+                self.config.draft_kv_cache_size_gib or self.config.kv_cache_size_gib,
+            )
             self.proposer = DFlashProposer(draft_runner, draft_kv, markov=markov, markov_top_k=self.config.markov_head_top_k)
             # A target prefix hit is only usable as far as the draft holds the same prefix.
             self.kv_cache_manager.prefix_hit_limit = self._draft_prefix_hit

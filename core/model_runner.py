@@ -80,7 +80,7 @@ class PagedModel:
         for name in ("position_ids", *rows):
             inputs[name] = fit_to_input(self.compiled.input(name), inputs[name])
         inputs[SAMPLED_ROWS_INPUT] = np.asarray(sample_rows, dtype=np.int64)
-        self._request.infer(inputs)
+        self._request.infer(inputs, share_inputs=True)  # fresh arrays each step: no copy needed
 
     def _output(self, name: str) -> np.ndarray:
         """An output as [rows, width]; spelled out because a step may sample no row at all, and
