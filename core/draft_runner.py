@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import openvino as ov
 
+from dflash.exporters.draft_format import read_draft_metadata
+
 from .errors import ModelFormatError
 from .graph import graft_embedding, graft_lm_head, insert_logits_gather
 from .model_runner import PagedModel, read_ov_model
@@ -53,8 +55,6 @@ class DraftInputs:
 
 
 def read_draft_spec(model: ov.Model) -> DraftSpec:
-    from dflash.exporters.draft import read_draft_metadata
-
     meta = read_draft_metadata(model)
     return DraftSpec(
         mask_token_id=meta.mask_token_id,

@@ -29,10 +29,11 @@ from pathlib import Path
 import numpy as np
 import openvino as ov
 
+from dflash.exporters.draft_format import MARKOV_HEAD_FILE, markov_head_part, read_draft_metadata
+from dflash.exporters.draft_format import SUPPORTED_MARKOV_HEAD_TYPES as SUPPORTED_HEAD_TYPES
+
 from .errors import InputError, ModelFormatError
 
-MARKOV_HEAD_FILE = "openvino_markov_head_model.xml"
-SUPPORTED_HEAD_TYPES = ("vanilla",)
 
 _REEXPORT_HINT = "re-export the draft with `dflash export` (it writes the Markov head next to the backbone)"
 
@@ -52,8 +53,6 @@ class MarkovHeadRunner:
                 f"the Markov head is of type {head_type!r}; only the vanilla head is supported",
                 "use a DSpark draft trained with markov_head_type 'vanilla'",
             )
-        from dflash.exporters.markov_head import markov_head_part
-
         config = _head_config(device, ov_config)
         core = ov.Core()
         self._dense = core.compile_model(markov_head_part(model, "dense"), device, config).create_infer_request()
@@ -210,8 +209,6 @@ def load_markov_head(
     Raises ModelFormatError for a head type other than vanilla, a missing head file, or a head whose
     vocabulary differs from `vocab_size` (the target's, when given).
     """
-    from dflash.exporters.draft import read_draft_metadata
-
     meta = read_draft_metadata(draft_model)
     if meta.markov_rank <= 0:
         return None

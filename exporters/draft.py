@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import shutil
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -22,9 +21,9 @@ from dflash.core.errors import ExportError, InputError, ModelFormatError
 from dflash.exporters.draft_checkpoint import load_draft_weights
 from dflash.exporters.draft_config import DraftConfig, load_draft_config
 from dflash.exporters.draft_model import DraftModel, draft_model_from_weights
-from dflash.exporters.markov_head import MARKOV_HEAD_FILE, markov_head_from_weights, save_markov_head
+from dflash.exporters.draft_format import DRAFT_MODEL_FILE, MARKOV_HEAD_FILE, DraftMetadata, read_draft_metadata  # noqa: F401
+from dflash.exporters.markov_head import markov_head_from_weights, save_markov_head
 
-DRAFT_MODEL_FILE = "openvino_model.xml"
 WEIGHT_FORMATS = ("fp32", "fp16", "int8", "int4")
 
 INPUT_NAMES = ("inputs_embeds", "hidden_states", "position_ids", "token_type_ids", "attention_mask")
@@ -255,72 +254,3 @@ def _int4_group_size(config: DraftConfig) -> int:
         if all(w % size == 0 for w in widths):
             return size
     return -1
-
-
-@dataclass(frozen=True)
-class DraftMetadata:
-    """The rt_info of an exported draft backbone, parsed."""
-
-    mask_token_id: int
-    target_layer_ids: tuple[int, ...]
-    block_size: int
-    candidate_position_offset: int
-    markov_rank: int
-    markov_head_type: str | None
-    per_row: bool  # the model has a `token_type_ids` input (the layout PagedAttention drafting needs)
-
-
-def read_draft_metadata(model, *, require_per_row: bool = True) -> DraftMetadata:
-    """Parse the DFlash rt_info of an `ov.Model` (read_model of `openvino_model.xml`).
-
-    Raises ModelFormatError for a model that is not a DFlash draft, has malformed keys or, with
-    `require_per_row`, was exported for the old stateful runner (no `token_type_ids` input).
-    """
-    def get(*path: str) -> str | None:
-        key = list(path)
-        return model.get_rt_info(key).astype(str) if model.has_rt_info(key) else None
-
-    if get("dflash_mode") != "True":
-        raise ModelFormatError(
-            "the model is not a DFlash draft (no rt_info dflash_mode)",
-            hint="export the draft with `dflash export`",
-        )
-    per_row = any("token_type_ids" in port.get_names() for port in model.inputs)
-    if require_per_row and not per_row:
-        raise ModelFormatError(
-            "the draft was exported for the old stateful runner (no token_type_ids input)",
-            hint="re-export it with `dflash export` to get the per-row layout",
-        )
-    try:
-        mask_token_id = int(_required(get("dflash", "mask_token_id"), "mask_token_id"))
-        layer_text = _required(get("dflash", "target_layer_ids"), "target_layer_ids")
-        target_layer_ids = tuple(int(part) for part in layer_text.split(","))
-        block_size = int(_required(get("dflash", "block_size"), "block_size"))
-        offset = int(get("dflash", "candidate_position_offset") or 1)
-        markov_rank = int(get("dflash", "markov_rank") or 0)
-    except ValueError as exc:
-        raise ModelFormatError(
-            f"malformed DFlash rt_info: {exc}", hint="re-export the draft with `dflash export`"
-        ) from exc
-    if offset not in (0, 1):
-        raise ModelFormatError(
-            f"rt_info dflash/candidate_position_offset is {offset}, expected 0 or 1",
-            hint="re-export the draft with `dflash export`",
-        )
-    return DraftMetadata(
-        mask_token_id=mask_token_id,
-        target_layer_ids=target_layer_ids,
-        block_size=block_size,
-        candidate_position_offset=offset,
-        markov_rank=markov_rank,
-        markov_head_type=get("dflash", "markov_head_type") if markov_rank > 0 else None,
-        per_row=per_row,
-    )
-
-
-def _required(value: str | None, key: str) -> str:
-    if value is None:
-        raise ModelFormatError(
-            f"the draft's rt_info lacks dflash/{key}", hint="re-export the draft with `dflash export`"
-        )
-    return value

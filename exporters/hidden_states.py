@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import openvino as ov
 
 from dflash.core.errors import ExportError, ModelFormatError
+from dflash.core.graph import find_lm_head
 
 if TYPE_CHECKING:
     import torch
@@ -46,9 +47,6 @@ Locators = dict[int, tuple[str, int]]
 # The first numeric path component is the decoder index (nested numbers such as MoE experts come later).
 _SCOPE = re.compile(r"^(?P<stack>__module\.[^/]*?)\.(?P<index>\d+)(?=[./]|$)")
 
-# Ops between the lm_head MatMul and the `logits` result that leave the row layout alone
-# (precision casts, logit scaling or soft-capping by a constant).
-_LOGITS_TAIL_OPS = {"Convert", "Multiply", "Divide", "Tanh"}
 # Ops between the final norm and the lm_head that only pick rows or cast (logits_to_keep slicing).
 _LM_HEAD_INPUT_OPS = {"Convert", "Slice", "StridedSlice"}
 
@@ -215,35 +213,11 @@ def _discover_with_optimum(model: ov.Model, source_model: Any) -> Locators:
 
 def _lm_head_input(model: ov.Model) -> ov.Output:
     """The post-final-norm value: the activation input of the MatMul that produces the logits."""
-    names = [out.get_names() for out in model.outputs]
-    logits = next((out for out, n in zip(model.outputs, names) if "logits" in n), None)
-    if logits is None:
-        if len(model.outputs) != 1:
-            raise ModelFormatError("the target has no `logits` output", _REEXPORT_HINT)
-        logits = model.outputs[0]
-
-    value = logits.get_node().input_value(0)
-    while value.get_node().get_type_name() in _LOGITS_TAIL_OPS:
-        value = _non_constant_input(value.get_node())
-        if value is None:
-            break
-    if value is None or value.get_node().get_type_name() != "MatMul":
-        raise ModelFormatError("cannot find the lm_head MatMul that produces the logits", _REEXPORT_HINT)
-
-    # The activation operand is the rank-3 one; the weight (or its decompression chain) is rank 2.
-    matmul = value.get_node()
-    activations = [inp for inp in matmul.input_values() if _rank(inp) == 3]
-    if len(activations) != 1:
-        raise ModelFormatError("the lm_head MatMul has no single hidden-state input", _REEXPORT_HINT)
-    hidden = activations[0]
+    matmul, port = find_lm_head(model)
+    hidden = matmul.input_value(port)
     while hidden.get_node().get_type_name() in _LM_HEAD_INPUT_OPS:
         hidden = hidden.get_node().input_value(0)
     return hidden
-
-
-def _non_constant_input(node: ov.Node) -> ov.Output | None:
-    inputs = [inp for inp in node.input_values() if inp.get_node().get_type_name() != "Constant"]
-    return inputs[0] if len(inputs) == 1 else None
 
 
 def _rank(output: ov.Output) -> int | None:

@@ -16,14 +16,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-MARKOV_HEAD_FILE = "openvino_markov_head_model.xml"
-DEFAULT_TOP_K = 8
+from dflash.exporters.draft_format import (  # noqa: F401 - re-exported: the head's contract names
+    DENSE_INPUTS,
+    DENSE_OUTPUT,
+    MARKOV_HEAD_FILE,
+    TOPK_INPUTS,
+    TOPK_OUTPUT,
+    markov_head_part,
+)
 
-# Input and output names of the two parts, in the order the exported IR declares them.
-DENSE_INPUTS = ("prev_token_ids",)
-DENSE_OUTPUT = "markov_bias"
-TOPK_INPUTS = ("prev_candidate_ids", "candidate_ids")
-TOPK_OUTPUT = "edge_scores"
+DEFAULT_TOP_K = 8
 
 
 class MarkovHead(nn.Module):
@@ -94,19 +96,3 @@ def save_markov_head(head: MarkovHead, output_dir: str | Path, top_k: int = DEFA
     path = Path(output_dir) / MARKOV_HEAD_FILE
     ov.save_model(convert_markov_head(head, top_k), path, compress_to_fp16=False)
     return path
-
-
-def markov_head_part(model, part: str):
-    """The sub-model of one part: `part="dense"` (prev_token_ids -> markov_bias) or `"topk"`
-    (prev_candidate_ids, candidate_ids -> edge_scores), ready to compile on its own."""
-    import openvino as ov
-
-    if part == "dense":
-        names, output = DENSE_INPUTS, DENSE_OUTPUT
-    elif part == "topk":
-        names, output = TOPK_INPUTS, TOPK_OUTPUT
-    else:
-        raise ValueError(f"part must be 'dense' or 'topk', got {part!r}")
-    params = [model.input(name).get_node() for name in names]
-    result = model.output(output).get_node()
-    return ov.Model([result], params, f"markov_head_{part}")

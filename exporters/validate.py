@@ -25,16 +25,19 @@ from pathlib import Path
 from typing import Any, Callable
 
 from dflash.core.errors import DflashError, InputError
+from dflash.exporters.draft_format import (
+    DENSE_INPUTS,
+    DENSE_OUTPUT,
+    DRAFT_MODEL_FILE,
+    MARKOV_HEAD_FILE,
+    SUPPORTED_MARKOV_HEAD_TYPES,
+    TOPK_INPUTS,
+    TOPK_OUTPUT,
+)
 
-# File and port names of the contract. They equal exporters/draft.py DRAFT_MODEL_FILE and
-# exporters/markov_head.py MARKOV_HEAD_FILE / *_INPUTS / *_OUTPUT (a test keeps them equal); they are
-# repeated here so that validating does not import torch, which those modules need for exporting.
-DRAFT_MODEL_FILE = "openvino_model.xml"
-MARKOV_HEAD_FILE = "openvino_markov_head_model.xml"
 TARGET_MODEL_FILE = "openvino_model.xml"
-MARKOV_HEAD_INPUTS = ("prev_token_ids", "prev_candidate_ids", "candidate_ids")
-MARKOV_HEAD_OUTPUTS = ("markov_bias", "edge_scores")
-SUPPORTED_MARKOV_HEAD_TYPES = ("vanilla",)
+MARKOV_HEAD_INPUTS = (*DENSE_INPUTS, *TOPK_INPUTS)
+MARKOV_HEAD_OUTPUTS = (DENSE_OUTPUT, TOPK_OUTPUT)
 
 # The per-row backbone ports the engine feeds and reads (token_type_ids is checked on its own).
 ROW_INPUTS = ("inputs_embeds", "hidden_states", "position_ids")

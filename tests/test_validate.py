@@ -380,8 +380,17 @@ def test_report_dataclasses():
 
 
 def test_contract_names_match_the_exporter():
-    # validate.py repeats these so that validating does not import torch; keep them equal.
+    # One torch-free module (exporters/draft_format.py) holds the contract for the exporter and validate.
     assert validate_module.DRAFT_MODEL_FILE == draft_exporter.DRAFT_MODEL_FILE
     assert validate_module.MARKOV_HEAD_FILE == markov_exporter.MARKOV_HEAD_FILE
     assert validate_module.MARKOV_HEAD_INPUTS == markov_exporter.DENSE_INPUTS + markov_exporter.TOPK_INPUTS
     assert validate_module.MARKOV_HEAD_OUTPUTS == (markov_exporter.DENSE_OUTPUT, markov_exporter.TOPK_OUTPUT)
+
+
+def test_validating_and_the_engine_do_not_import_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, dflash.exporters.validate, dflash.core.engine; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False"
