@@ -35,6 +35,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .config import is_exact_inference
 from .errors import InputError
 from .metrics import SpecDecodingStats, StepTimes
 from .tokenization import Prompt
@@ -193,7 +194,7 @@ def run_bench(options: BenchOptions, progress: BenchProgress | None = None) -> B
     report = BenchReport(
         schema_version=SCHEMA_VERSION,
         status="running",
-        exact=is_exact(config.ov_config),
+        exact=is_exact_inference(config.ov_config),
         environment=environment(options),
         options=options_json(options, config),
         prompts=[],
@@ -204,11 +205,6 @@ def run_bench(options: BenchOptions, progress: BenchProgress | None = None) -> B
     except KeyboardInterrupt:
         report.status = "interrupted"
     return report
-
-
-def is_exact(ov_config: dict[str, str]) -> bool:
-    """f32 inference: outputs do not depend on batch composition, so a mismatch is a bug."""
-    return str(ov_config.get("INFERENCE_PRECISION_HINT", "")).lower() in ("f32", "float32")
 
 
 def _check_options(options: BenchOptions) -> None:

@@ -24,6 +24,25 @@ def _require_non_negative_int(name: str, value: object) -> None:
         raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
 
 
+def is_exact_inference(ov_config: dict[str, str] | None) -> bool:
+    """The caller asked for f32 inference (INFERENCE_PRECISION_HINT=f32): exact, batch-independent outputs."""
+    return str((ov_config or {}).get("INFERENCE_PRECISION_HINT", "")).lower() in ("f32", "float32")
+
+
+def compile_properties(ov_config: dict[str, str] | None) -> dict[str, str]:
+    """The OpenVINO properties models are compiled with: the caller's, made exact when they ask for f32.
+
+    With int8/int4 weights the CPU plugin quantizes activations on the fly (dynamic quantization),
+    which makes a row's result depend on how many rows share the MatMul; so f32 alone does not give
+    batch-independent outputs. Under f32, dynamic quantization is off unless the caller sets
+    DYNAMIC_QUANTIZATION_GROUP_SIZE.
+    """
+    config = dict(ov_config or {})
+    if is_exact_inference(config):
+        config.setdefault("DYNAMIC_QUANTIZATION_GROUP_SIZE", "0")
+    return config
+
+
 def num_blocks_for_size(kv_cache_size_gib: float, bytes_per_block: int) -> int:
     """How many whole KV blocks fit into `kv_cache_size_gib` GiB.
 

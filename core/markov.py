@@ -32,6 +32,7 @@ import openvino as ov
 from dflash.exporters.draft_format import MARKOV_HEAD_FILE, markov_head_part, read_draft_metadata
 from dflash.exporters.draft_format import SUPPORTED_MARKOV_HEAD_TYPES as SUPPORTED_HEAD_TYPES
 
+from .config import compile_properties
 from .errors import InputError, ModelFormatError
 
 
@@ -246,7 +247,7 @@ def _head_config(device: str, ov_config: dict[str, str] | None) -> dict[str, str
     """The engine's compile options, with f32 inference on CPU unless the caller chose a precision:
     the head's weights are kept f32 on purpose (its bias decides between close candidates), and a
     bf16 MatMul would round them away. Its cost is small next to the backbone's."""
-    config = dict(ov_config or {})
+    config = compile_properties(ov_config)
     if device.upper().startswith("CPU"):
         config.setdefault("INFERENCE_PRECISION_HINT", "f32")
     return config

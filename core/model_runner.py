@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import openvino as ov
 
+from .config import compile_properties
 from .errors import InputError
 from .graph import HIDDEN_STATES_OUTPUT, SAMPLED_ROWS_INPUT, add_hidden_states_output, insert_logits_gather
 from .paged import (
@@ -56,7 +57,7 @@ class PagedModel:
     """A compiled PagedAttention model, its KV caches and one infer request (shared by both runners)."""
 
     def __init__(self, model: ov.Model, *, device: str, ov_config: dict[str, str] | None):
-        self.compiled = ov.Core().compile_model(model, device, ov_config or {})
+        self.compiled = ov.Core().compile_model(model, device, compile_properties(ov_config))
         self.layout: KVCacheLayout = read_kv_cache_layout(self.compiled)
         self.block_size = self.layout.block_size
         self.num_blocks = 0

@@ -136,16 +136,20 @@ class DFlashProposer:
         )
         return {request.req_id: tokens for (request, _), tokens in zip(drafting, picked)}
 
-    def num_candidates(self, request: Request) -> int:
-        """Candidates to draft now: num_assistant_tokens (default: all a block yields), capped by the
-        block and so that the accepted candidates plus the bonus fit in max_new_tokens."""
+    def block_size(self, request: Request) -> int:
+        """Mask rows of the request's draft block: num_assistant_tokens (default: all a block yields),
+        capped by the block. 0 for requests that do not draft (sampling, num_assistant_tokens=0)."""
         params = request.sampling_params
         if not params.is_greedy:
             return 0  # acceptance compares with the target's greedy tokens
         wanted = params.num_assistant_tokens
-        wanted = self.spec.max_candidates if wanted is None else min(wanted, self.spec.max_candidates)
-        room = params.max_new_tokens - request.num_output_tokens - 1
-        return max(0, min(wanted, room))
+        return self.spec.max_candidates if wanted is None else min(wanted, self.spec.max_candidates)
+
+    def num_candidates(self, request: Request) -> int:
+        """Candidates to verify now: the block's, but only as many as leave room in max_new_tokens
+        for the accepted candidates plus the bonus token."""
+        room = request.sampling_params.max_new_tokens - request.num_output_tokens - 1
+        return max(0, min(self.block_size(request), room))
 
     def _plan(self, request: Request) -> _Window | None:
         state = self._states.get(request.req_id)
@@ -153,7 +157,9 @@ class DFlashProposer:
             return None
         caught_up = state.next_position == request.num_tokens - 1 and request.num_computed_tokens == request.num_tokens - 1
         num_candidates = self.num_candidates(request) if caught_up else 0
-        num_block_rows = num_candidates + self.spec.candidate_position_offset if num_candidates else 0
+        # Near max_new_tokens the block keeps all its mask rows and only the first rows are read:
+        # the mask rows attend to each other, so a shorter block would draft different candidates.
+        num_block_rows = self.block_size(request) + self.spec.candidate_position_offset if num_candidates else 0
         num_rows = state.num_pending + num_block_rows
         if num_rows == 0:
             return None

@@ -182,7 +182,10 @@ def models(tmp_path_factory) -> Models:
 
 
 class CandidateLog:
-    """Every proposal of an engine's draft, keyed by (prompt, committed tokens, number of candidates).
+    """Every proposal of an engine's draft, keyed by (prompt, committed tokens, draft block size).
+
+    The block size (mask rows) decides the candidates; near max_new_tokens only the first of them are
+    verified, so two proposals under one key agree on their common prefix.
 
     A spy around DFlashProposer.propose: the real inference runs, its result is recorded.
     """
@@ -198,8 +201,9 @@ class CandidateLog:
                 if request.req_id in candidates:
                     # A copy: the scheduler trims the request's candidate list in place.
                     tokens = list(candidates[request.req_id])
-                    key = (tuple(request.prompt_token_ids), request.num_tokens, len(tokens))
-                    self.entries[key] = tokens
+                    key = (tuple(request.prompt_token_ids), request.num_tokens, engine.proposer.block_size(request))
+                    if len(tokens) > len(self.entries.get(key, ())):
+                        self.entries[key] = tokens
             return candidates
 
         engine.proposer.propose = recording_propose
@@ -321,12 +325,15 @@ def check_metrics(run: Run) -> None:
     assert total.to_json() == run.spec_delta.to_json()
 
 
-def check_same_candidates(log: CandidateLog, baseline: dict[tuple, list[int]], min_overlap: int = 1) -> None:
-    """Where a run proposed for the same committed tokens as the baseline, it proposed the same."""
-    shared = [key for key in log.entries if key in baseline]
+def check_same_candidates(entries: dict[tuple, list[int]], baseline: dict[tuple, list[int]], min_overlap: int = 1) -> None:
+    """Where a run proposed for the same committed tokens and block size as the baseline, it proposed
+    the same (as far as both verified)."""
+    shared = [key for key in entries if key in baseline]
     assert len(shared) >= min_overlap
     for key in shared:
-        assert log.entries[key] == baseline[key], f"different candidates at {key[1]} tokens"
+        mine, theirs = entries[key], baseline[key]
+        n = min(len(mine), len(theirs))
+        assert n > 0 and mine[:n] == theirs[:n], f"different candidates at {key[1]} tokens"
 
 
 def ids_of(engine: LLMEngine, prompts: Sequence[str]) -> list[list[int]]:
@@ -557,6 +564,25 @@ def test_single_requests_and_acceptance_of_the_ctx_drafts(single_runs):
     assert len({tuple(t) for t in candidates.values()}) > 10
 
 
+@pytest.mark.parametrize("draft", CTX_DRAFTS)
+def test_block_keeps_its_mask_rows_near_max_new_tokens(engines, mixed_reference, baseline, draft):
+    """When max_new_tokens leaves room for fewer candidates than the block drafts, the draft still
+    runs the whole block (the mask rows attend to each other) and only its first rows are verified:
+    the candidates are a prefix of what the same block drafts with room to spare."""
+    engine = engines.get("mixed", draft)
+    log = engines.log(engine)
+    log.entries.clear()
+    max_k = engine.proposer.spec.max_candidates
+    texts = list(mixed_reference)[:6]
+    for n in range(2, max_k + 2):
+        params = SamplingParams(max_new_tokens=n, ignore_eos=True)
+        run = run_all(engine, texts, params)
+        assert [r.token_ids for r in run.results] == [mixed_reference[t][:n] for t in texts]
+    short = {key: tokens for key, tokens in log.entries.items() if len(tokens) < key[2]}
+    assert short, "no proposal was cut by max_new_tokens"
+    check_same_candidates(short, baseline[draft], min_overlap=len(short))
+
+
 MIXED_SCENARIOS = {
     "batch_of_16": {},
     "token_budget_16": {"max_num_batched_tokens": 16},
@@ -578,7 +604,7 @@ def test_sixteen_requests_lossless(engines, mixed_reference, baseline, draft, sc
     run = run_all(engine, SIXTEEN)
     assert [r.token_ids for r in run.results] == [mixed_reference[t] for t in SIXTEEN]
     check_metrics(run)
-    check_same_candidates(log, baseline[draft], min_overlap=20)
+    check_same_candidates(log.entries, baseline[draft], min_overlap=20)
     assert not engine.warnings
     if "preemption" in scenario:
         assert any(r.num_preemptions > 0 for r in run.requests)
@@ -605,7 +631,7 @@ def test_staggered_arrivals_with_mixed_num_assistant_tokens(engines, mixed_refer
             assert result.spec.num_drafts > 0
             k = max_k if wanted is None else min(wanted, max_k)
             assert len(result.spec.drafted_per_position) == k
-    check_same_candidates(log, baseline[draft], min_overlap=10)
+    check_same_candidates(log.entries, baseline[draft], min_overlap=10)
 
 
 @pytest.mark.parametrize("draft", CTX_DRAFTS)
@@ -630,7 +656,7 @@ def test_prefix_cache_hits_on_both_pipelines(engines, mixed_reference, baseline,
     assert second.results[1].token_ids == reference(engines, "mixed", [other], GREEDY)[0]
     check_metrics(second)
     # The restored draft KV proposes exactly what the draft proposed after computing the prompt.
-    check_same_candidates(log, baseline[draft], min_overlap=5)
+    check_same_candidates(log.entries, baseline[draft], min_overlap=5)
     assert second.results[0].spec.to_json() == first.results[0].spec.to_json()
 
 
