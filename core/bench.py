@@ -13,7 +13,8 @@ Every request is greedy with ignore_eos, so each generates exactly max_new_token
 come from the model's length limit) and every setting does the same work. Concurrency c keeps at most
 c requests in the engine: a new one is added as soon as one finishes.
 
-With f32 inference (INFERENCE_PRECISION_HINT=f32) outputs do not depend on batch composition, so any
+With f32 inference (INFERENCE_PRECISION_HINT=f32; the engine then also turns off dynamic quantization of
+activations, see config.compile_properties) outputs do not depend on batch composition, so any
 speculative output that differs from the baseline's is a bug. With bf16 they drift with the batch,
 and agreement is reported (identical outputs, median first divergence) instead.
 

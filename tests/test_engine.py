@@ -542,3 +542,13 @@ def test_abort_mid_run_frees_the_blocks(qwen3, engine):
     never_ran = engine.result(waiting)
     assert never_ran.finish_reason == "abort" and never_ran.token_ids == []
     assert_pool_clean(engine)
+
+
+def test_f32_turns_off_dynamic_quantization(qwen3, shared_engine):
+    """Under f32 the CPU plugin must not quantize activations on the fly (it would make int8/int4
+    results depend on how many rows share a MatMul); a value the caller sets is kept."""
+    compiled = shared_engine.runner.compiled
+    assert str(compiled.get_property("INFERENCE_PRECISION_HINT")) == "f32"
+    assert int(compiled.get_property("DYNAMIC_QUANTIZATION_GROUP_SIZE")) == 0
+    explicit = make_engine(qwen3.ov_dir, ov_config={**F32, "DYNAMIC_QUANTIZATION_GROUP_SIZE": "64"}, num_kv_blocks=4)
+    assert int(explicit.runner.compiled.get_property("DYNAMIC_QUANTIZATION_GROUP_SIZE")) == 64
