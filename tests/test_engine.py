@@ -17,6 +17,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import openvino as ov
 import pytest
 import torch
 
@@ -548,7 +549,7 @@ def test_f32_turns_off_dynamic_quantization(qwen3, shared_engine):
     """Under f32 the CPU plugin must not quantize activations on the fly (it would make int8/int4
     results depend on how many rows share a MatMul); a value the caller sets is kept."""
     compiled = shared_engine.runner.compiled
-    assert str(compiled.get_property("INFERENCE_PRECISION_HINT")) == "f32"
+    assert compiled.get_property("INFERENCE_PRECISION_HINT") == ov.Type.f32
     assert int(compiled.get_property("DYNAMIC_QUANTIZATION_GROUP_SIZE")) == 0
     explicit = make_engine(qwen3.ov_dir, ov_config={**F32, "DYNAMIC_QUANTIZATION_GROUP_SIZE": "64"}, num_kv_blocks=4)
     assert int(explicit.runner.compiled.get_property("DYNAMIC_QUANTIZATION_GROUP_SIZE")) == 64
