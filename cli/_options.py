@@ -16,6 +16,13 @@ class DraftKind(str, Enum):
     dspark = "dspark"
 
 
+class AssistantSchedule(str, Enum):
+    """How many candidates a request drafts per step: the same every step, or transformers' heuristic."""
+
+    constant = "constant"
+    heuristic = "heuristic"
+
+
 class WeightFormat(str, Enum):
     fp32 = "fp32"
     fp16 = "fp16"

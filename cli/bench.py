@@ -10,7 +10,7 @@ import typer
 from rich.markup import escape
 
 from ._errors import EXIT_INTERRUPTED, handled_errors
-from ._options import DebugOpt, OvConfigOpt, QuietOpt, parse_ov_config
+from ._options import AssistantSchedule, DebugOpt, OvConfigOpt, QuietOpt, parse_ov_config
 from ._output import Output
 
 EXAMPLES = """\
@@ -21,6 +21,8 @@ Examples:
   dflash bench --default-draft dspark --num-prompts 10 --max-new-tokens 64 --concurrency 1
 
   dflash bench out/target --draft out/draft --concurrency 1,4,8 --num-assistant-tokens 4,8,15 --json bench.json
+
+  dflash bench --concurrency 1,8 --num-assistant-tokens 3,auto --num-assistant-tokens-schedule constant,heuristic
 
   dflash bench out/target --draft out/draft --dataset prompts.jsonl --plot bench.png --min-accepted-length 2
 
@@ -48,6 +50,10 @@ def bench(
     num_assistant_tokens: Annotated[
         str, typer.Option("--num-assistant-tokens", help="Candidates per draft step, comma-separated; auto = all the draft's block yields.")
     ] = "auto",
+    num_assistant_tokens_schedule: Annotated[
+        str,
+        typer.Option("--num-assistant-tokens-schedule", help="constant and/or heuristic (+2 candidates after a step that accepted them all, -1 otherwise), comma-separated."),
+    ] = "constant",
     markov_top_k: Annotated[
         str, typer.Option("--markov-top-k", help="DSpark drafts: Markov head top-K values, comma-separated; auto = the export's K, 0 = dense.")
     ] = "auto",
@@ -79,6 +85,7 @@ def bench(
     concurrencies = _int_list(concurrency, "--concurrency", minimum=1)
     assistant_tokens = _int_list(num_assistant_tokens, "--num-assistant-tokens", minimum=1, auto=True)
     top_ks = _int_list(markov_top_k, "--markov-top-k", minimum=0, auto=True)
+    schedules = _choice_list(num_assistant_tokens_schedule, "--num-assistant-tokens-schedule", tuple(s.value for s in AssistantSchedule))
     properties = parse_ov_config(ov_config)
     with handled_errors(output, debug=debug):
         from dflash.core.bench import BenchOptions, load_dataset, run_bench
@@ -102,6 +109,7 @@ def bench(
         options = BenchOptions(
             target_dir=target_dir, draft_dir=draft, prompts=prompts, engine_config=config,
             max_new_tokens=max_new_tokens, concurrencies=concurrencies, num_assistant_tokens=assistant_tokens,
+            schedules=schedules,
             markov_top_ks=top_ks, chat=chat, warmup=warmup, baseline=not no_baseline, dataset=dataset,
         )  # fmt: skip
         with _LiveProgress(output) as progress:
@@ -136,6 +144,15 @@ def _int_list(text: str, option: str, *, minimum: int, auto: bool = False) -> li
         if value < minimum:
             raise typer.BadParameter(f"{value} is below {minimum}", param_hint=option)
         values.append(value)
+    return list(dict.fromkeys(values))
+
+
+def _choice_list(text: str, option: str, choices: tuple[str, ...]) -> list[str]:
+    """"constant,heuristic" -> ["constant", "heuristic"]; anything else is a usage error (exit 2)."""
+    values = [part.strip().lower() for part in text.split(",")]
+    for value in values:
+        if value not in choices:
+            raise typer.BadParameter(f"{value!r} is not one of {', '.join(choices)}", param_hint=option)
     return list(dict.fromkeys(values))
 
 

@@ -10,7 +10,7 @@ import typer
 from rich.markup import escape
 
 from ._errors import handled_errors
-from ._options import DebugOpt, DraftKind, JsonOpt, OvConfigOpt, QuietOpt, parse_ov_config
+from ._options import AssistantSchedule, DebugOpt, DraftKind, JsonOpt, OvConfigOpt, QuietOpt, parse_ov_config
 from ._output import Output
 
 EXAMPLES = """\
@@ -46,6 +46,10 @@ def generate(
         Optional[int],
         typer.Option("--num-assistant-tokens", min=0, help="Candidates per draft step (default: all the draft's block yields; 0: no drafting).", show_default=False),
     ] = None,
+    num_assistant_tokens_schedule: Annotated[
+        AssistantSchedule,
+        typer.Option("--num-assistant-tokens-schedule", help="constant, or heuristic: +2 candidates after a step that accepted them all, -1 otherwise."),
+    ] = AssistantSchedule.constant,
     markov_top_k: Annotated[
         Optional[int],
         typer.Option("--markov-top-k", min=0, help="DSpark drafts: candidates per row the Markov head scores (default: the export's K; 0: the dense Markov walk).", show_default=False),
@@ -98,6 +102,7 @@ def generate(
         params = SamplingParams(
             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
             seed=seed, ignore_eos=ignore_eos, num_assistant_tokens=num_assistant_tokens,
+            num_assistant_tokens_schedule=num_assistant_tokens_schedule.value,
         )  # fmt: skip
         config = EngineConfig(
             device=device,

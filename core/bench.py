@@ -24,6 +24,7 @@ Ctrl-C returns the report of the settings that finished, with `status == "interr
 from __future__ import annotations
 
 import copy
+import itertools
 import platform
 import re
 import statistics
@@ -59,6 +60,7 @@ class BenchOptions:
     max_new_tokens: int = 128
     concurrencies: Sequence[int] = (1,)
     num_assistant_tokens: Sequence[int | None] = (None,)
+    schedules: Sequence[str] = ("constant",)  # num_assistant_tokens_schedule values
     markov_top_ks: Sequence[int | None] = (None,)
     chat: bool | None = None  # None: when the tokenizer has a chat template
     warmup: int = 2
@@ -93,6 +95,7 @@ class SettingResult:
     kind: str  # "baseline" or "speculative"
     concurrency: int
     num_assistant_tokens: int | None
+    num_assistant_tokens_schedule: str | None  # speculative only
     markov_top_k: int | None
     num_requests: int
     num_generated_tokens: int
@@ -248,8 +251,9 @@ def _sweep(options: BenchOptions, config, report: BenchReport, progress: BenchPr
             token_prompts = [ids for _, ids in encoded]
         _warm_up(engine, token_prompts, options, progress)
         for concurrency in options.concurrencies:
-            for num_assistant_tokens in options.num_assistant_tokens:
-                result = _run_setting(engine, token_prompts, options, "speculative", concurrency, num_assistant_tokens, top_k, progress)
+            for num_assistant_tokens, schedule in itertools.product(options.num_assistant_tokens, options.schedules):
+                result = _run_setting(engine, token_prompts, options, "speculative", concurrency, num_assistant_tokens,
+                                      top_k, progress, schedule)  # fmt: skip
                 baseline = baselines.get(concurrency)
                 if baseline is not None:
                     result.speedup = _ratio(result.tokens_per_s, baseline.tokens_per_s)
@@ -277,20 +281,24 @@ def _warm_up(engine, token_prompts: list[list[int]], options: BenchOptions, prog
     engine.generate(prompts, SamplingParams(max_new_tokens=options.max_new_tokens, ignore_eos=True))
 
 
-def _setting_name(kind: str, concurrency: int, num_assistant_tokens: int | None, top_k: int | None) -> str:
+def _setting_name(kind: str, concurrency: int, num_assistant_tokens: int | None, top_k: int | None,
+                  schedule: str | None = None) -> str:  # fmt: skip
     if kind == "baseline":
         return f"baseline c={concurrency}"
     name = f"spec c={concurrency} k={'auto' if num_assistant_tokens is None else num_assistant_tokens}"
+    name += " heuristic" if schedule == "heuristic" else ""
     return name + (f" topk={top_k}" if top_k is not None else "")
 
 
 def _run_setting(engine, token_prompts: list[list[int]], options: BenchOptions, kind: str, concurrency: int,
-                 num_assistant_tokens: int | None, top_k: int | None, progress: BenchProgress) -> SettingResult:  # fmt: skip
+                 num_assistant_tokens: int | None, top_k: int | None, progress: BenchProgress,
+                 schedule: str | None = None) -> SettingResult:  # fmt: skip
     """Every prompt through the engine with at most `concurrency` requests in it at once."""
     from .config import SamplingParams
 
-    name = _setting_name(kind, concurrency, num_assistant_tokens, top_k)
-    params = SamplingParams(max_new_tokens=options.max_new_tokens, ignore_eos=True, num_assistant_tokens=num_assistant_tokens)
+    name = _setting_name(kind, concurrency, num_assistant_tokens, top_k, schedule)
+    params = SamplingParams(max_new_tokens=options.max_new_tokens, ignore_eos=True, num_assistant_tokens=num_assistant_tokens,
+                            num_assistant_tokens_schedule=schedule or "constant")  # fmt: skip
     progress.setting_started(name, len(token_prompts))
     times_before = copy.copy(engine.times)
     results = run_with_concurrency(engine, token_prompts, params, concurrency, progress.request_finished)
@@ -309,6 +317,7 @@ def _run_setting(engine, token_prompts: list[list[int]], options: BenchOptions, 
         kind=kind,
         concurrency=concurrency,
         num_assistant_tokens=num_assistant_tokens,
+        num_assistant_tokens_schedule=schedule,
         markov_top_k=top_k,
         num_requests=len(results.results),
         num_generated_tokens=num_tokens,
@@ -449,6 +458,7 @@ def options_json(options: BenchOptions, config) -> dict:
         "max_new_tokens": options.max_new_tokens,
         "concurrency": list(options.concurrencies),
         "num_assistant_tokens": list(options.num_assistant_tokens),
+        "num_assistant_tokens_schedules": list(options.schedules),
         "markov_top_k": list(options.markov_top_ks),
         "chat": options.chat,
         "warmup": options.warmup,

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 GIB = 1 << 30
+ASSISTANT_SCHEDULES = ("constant", "heuristic")
 
 
 def _require_positive_int(name: str, value: object) -> None:
@@ -124,6 +125,9 @@ class SamplingParams:
     stop_token_ids and stop_strings end the request (checked by the engine, not the scheduler);
     ignore_eos keeps generating past the tokenizer's EOS. num_assistant_tokens: candidates the draft
     proposes per step for this request; None = the engine's default, 0 = no drafting.
+    num_assistant_tokens_schedule: "constant" keeps that number; "heuristic" (transformers' assisted
+    generation schedule) starts there, adds 2 after a step that accepted every candidate and takes 1
+    away (not below 1) after one that did not, within the draft's block.
     Sequences given as lists are stored as tuples so the params stay immutable.
     max_new_tokens defaults to a finite 256 because the scheduler checks at admission that
     prompt + max_new_tokens fits the KV cache.
@@ -138,6 +142,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
     num_assistant_tokens: int | None = None
+    num_assistant_tokens_schedule: str = "constant"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -157,6 +162,11 @@ class SamplingParams:
                 raise ValueError(f"stop_strings entries must be non-empty strings, got {text!r}")
         if self.num_assistant_tokens is not None:
             _require_non_negative_int("num_assistant_tokens", self.num_assistant_tokens)
+        if self.num_assistant_tokens_schedule not in ASSISTANT_SCHEDULES:
+            raise ValueError(
+                f"num_assistant_tokens_schedule must be one of {', '.join(ASSISTANT_SCHEDULES)}, "
+                f"got {self.num_assistant_tokens_schedule!r}"
+            )
 
     @property
     def is_greedy(self) -> bool:

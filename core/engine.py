@@ -345,6 +345,7 @@ class LLMEngine:
                 # counters add up to the committed tokens (accepted + 1 per verification step).
                 for stats in (self._tracked[request.req_id].spec, self.spec_stats):
                     stats.observe(num_drafted, len(tokens) - 1)
+                self.proposer.observe(request, num_drafted, len(tokens) - 1)
             new_tokens[scheduled.req_id] = tokens
         return new_tokens
 

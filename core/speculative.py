@@ -40,6 +40,7 @@ class DraftState:
     pending: list[np.ndarray] = field(default_factory=list)  # committed hidden rows after num_consumed
     num_pending: int = 0
     enabled: bool = True
+    num_assistant_tokens: int | None = None  # the "heuristic" schedule's current value
 
     @property
     def next_position(self) -> int:
@@ -143,7 +144,22 @@ class DFlashProposer:
         if not params.is_greedy:
             return 0  # acceptance compares with the target's greedy tokens
         wanted = params.num_assistant_tokens
-        return self.spec.max_candidates if wanted is None else min(wanted, self.spec.max_candidates)
+        wanted = self.spec.max_candidates if wanted is None else min(wanted, self.spec.max_candidates)
+        if params.num_assistant_tokens_schedule == "heuristic" and wanted:
+            state = self._states.get(request.req_id)
+            if state is not None and state.num_assistant_tokens is not None:
+                return state.num_assistant_tokens
+        return wanted
+
+    def observe(self, request: Request, num_drafted: int, num_accepted: int) -> None:
+        """After verification: the "heuristic" schedule grows the block by 2 when every candidate was
+        accepted and shrinks it by 1 (not below 1) otherwise, within the draft's block."""
+        state = self._states.get(request.req_id)
+        if state is None or request.sampling_params.num_assistant_tokens_schedule != "heuristic":
+            return
+        current = self.block_size(request)
+        grown = current + 2 if num_accepted >= num_drafted else current - 1
+        state.num_assistant_tokens = max(1, min(grown, self.spec.max_candidates))
 
     def num_candidates(self, request: Request) -> int:
         """Candidates to verify now: the block's, but only as many as leave room in max_new_tokens

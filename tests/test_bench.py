@@ -197,3 +197,21 @@ def test_min_accepted_length_above_a_random_draft_fails(pair, prompts_file, tmp_
     assert result.exit_code == 1, result.output
     tau = data["settings"][1]["spec"]["mean_accepted_length"]
     assert tau < 2.5 and "--min-accepted-length" in result.output
+
+
+def test_schedules_are_swept(pair, prompts_file, tmp_path):
+    result, data = run_cli(pair, prompts_file, tmp_path, "--concurrency", "1", "--num-assistant-tokens-schedule", "constant,heuristic")
+    assert result.exit_code == 0, result.output
+    speculative = [s for s in data["settings"] if s["kind"] == "speculative"]
+    assert [(s["name"], s["num_assistant_tokens_schedule"]) for s in speculative] == [
+        ("spec c=1 k=auto", "constant"),
+        ("spec c=1 k=auto heuristic", "heuristic"),
+    ]
+    assert data["options"]["num_assistant_tokens_schedules"] == ["constant", "heuristic"]
+
+
+def test_bad_schedule_is_a_usage_error(pair, prompts_file):
+    target, draft = pair
+    result = runner.invoke(app, [str(target), "--draft", str(draft), "--dataset", str(prompts_file),
+                                 "--num-assistant-tokens-schedule", "fast"])  # fmt: skip
+    assert result.exit_code == 2 and "--num-assistant-tokens-schedule" in result.output

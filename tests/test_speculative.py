@@ -421,6 +421,44 @@ def test_full_partial_and_zero_acceptance(models, engines, draft, regime, accept
     )
 
 
+def simulate_heuristic(num_new_tokens: int, k_max: int, start: int, accept: Callable[[int], int]) -> SpecDecodingStats:
+    """simulate_acceptance under transformers' heuristic schedule: the block starts at `start`, grows
+    by 2 (up to k_max) after a step that accepted every drafted candidate, else shrinks by 1 (not below 1)."""
+    stats, num_out, block = SpecDecodingStats(), 1, min(start, k_max)
+    while num_out < num_new_tokens:
+        k = min(block, num_new_tokens - num_out - 1)
+        accepted = accept(k) if k > 0 else 0
+        stats.observe(k, accepted)
+        num_out += accepted + 1
+        if k > 0:
+            block = min(k_max, block + 2) if accepted >= k else max(1, block - 1)
+    return stats
+
+
+@pytest.mark.parametrize(
+    "draft, regime, accept",
+    [
+        ("dspark_zero", "cycle", lambda k: min(k, 1)),  # partial: the block oscillates 1, 3, 2, 1, 3, ...
+        ("dspark_zero", "constant", lambda k: k),  # full: 2, 4, 4, ...
+        ("dflash_zero", "cycle", lambda k: 0),  # zero: 2, 1, 1, ...
+        ("dflash_zero", "constant", lambda k: k),  # full: 2, 3, 3, ...
+    ],
+)
+def test_heuristic_schedule_follows_acceptance(models, engines, draft, regime, accept):
+    cycle, constant = chain_prompts(models.succ)
+    prompts = cycle if regime == "cycle" else constant
+    engine = engines.get("chain", draft)
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True, num_assistant_tokens=2,
+                            num_assistant_tokens_schedule="heuristic")  # fmt: skip
+    run = run_all(engine, prompts, params)
+    assert [r.token_ids for r in run.results] == [chain_of(models.succ, p[-1], NEW_TOKENS) for p in prompts]
+    check_metrics(run)
+    expected = simulate_heuristic(NEW_TOKENS, engine.proposer.spec.max_candidates, 2, accept)
+    for result in run.results:
+        assert result.spec.to_json() == expected.to_json()
+    assert_pools_full(engine)
+
+
 @pytest.mark.parametrize("draft", ["dspark_zero", "dflash_zero"])
 def test_max_new_tokens_ends_inside_a_block(models, engines, draft):
     """Full acceptance: max_new_tokens that no whole number of blocks reaches is still met exactly."""
