@@ -802,3 +802,50 @@ def test_graft_keeps_compressed_target_weights(models):
     assert any(_compressed(v) for v in head.input_values() if v.get_partial_shape().rank.get_length() == 2)
     lookups = [op for op in draft.get_ordered_ops() if op.get_type_name() == "Gather" and _compressed(op.input_value(0))]
     assert lookups, "the grafted embedding lookup lost its compressed table"
+
+
+# ---- the peer: openvino-genai's own DFlash path on the same checkpoint ----------------------------
+
+
+@pytest.mark.parametrize("target, draft", [("mixed", "dflash_ctx"), ("chain", "dflash_zero")])
+def test_acceptance_equals_openvino_genai_dflash(models, engines, tmp_path, target, draft):
+    """openvino-genai 2026.4.1 runs DFlash with optimum-intel's stateful export of the same checkpoint
+    (one request at a time). Under f32 both compute the same draft on the same hidden states, so each
+    request must accept the same candidates in the same number of steps, and both outputs must equal
+    the target alone. The chain pair covers full and zero acceptance; the mixed pair's random draft
+    shows that the engines agree where acceptance depends on real draft numerics."""
+    import openvino_genai as ov_genai
+
+    from dflash.exporters.genai_draft import export_genai_stateful_draft
+
+    checkpoint = models.drafts[draft].parent / f"hf-{draft}"
+    stateful = export_genai_stateful_draft(checkpoint, tmp_path / "stateful", compress_to_fp16=False)
+    engine = engines.get(target, draft)
+    k = engine.proposer.spec.max_candidates
+    if target == "chain":
+        cycle, constant = chain_prompts(models.succ)
+        prompts = cycle[:3] + constant[:3]
+    else:
+        prompts = ids_of(engine, TEXTS[:6])
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True, num_assistant_tokens=k)
+    ours = [run_all(engine, [p], params).results[0] for p in prompts]
+    expected = reference(engines, target, prompts, GREEDY)
+
+    scheduler = ov_genai.SchedulerConfig()
+    scheduler.enable_prefix_caching = False  # its DFlash path rejects prefix caching
+    scheduler.num_kv_blocks = 64
+    scheduler.max_num_batched_tokens = 256
+    properties = {**F32, "draft_model": ov_genai.draft_model(str(stateful), "CPU", **F32)}
+    pipeline = ov_genai.ContinuousBatchingPipeline(str(getattr(models, target)), scheduler, "CPU", properties)
+    config = ov_genai.GenerationConfig()
+    config.max_new_tokens, config.ignore_eos, config.num_assistant_tokens = NEW_TOKENS, True, k
+    for prompt, mine, reference_tokens in zip(prompts, ours, expected):
+        (theirs,) = pipeline.generate([ov.Tensor(np.asarray([prompt], dtype=np.int64))], [config])
+        metrics = theirs.extended_perf_metrics
+        assert list(theirs.m_generation_ids[0]) == reference_tokens == mine.token_ids
+        assert mine.spec.num_accepted_tokens == metrics.get_num_accepted_tokens()
+        # One draft inference per verification step (genai's own draft-token counter stays 0 here).
+        assert mine.spec.num_drafts == len(metrics.draft_model_metrics.raw_metrics.m_durations)
+    if target == "chain":  # the cycle prompts accept nothing, the constant ones everything
+        assert [r.spec.acceptance_rate for r in ours] == [0.0] * 3 + [1.0] * 3
+    assert_pools_full(engine)
