@@ -17,10 +17,12 @@ class DraftKind(str, Enum):
 
 
 class AssistantSchedule(str, Enum):
-    """How many candidates a request drafts per step: the same every step, or transformers' heuristic."""
+    """How many candidates a request drafts per step: the same every step, transformers' heuristic, or
+    the candidates whose measured acceptance pays for their measured cost (core/adaptive.py)."""
 
     constant = "constant"
     heuristic = "heuristic"
+    adaptive = "adaptive"
 
 
 class WeightFormat(str, Enum):

@@ -52,7 +52,7 @@ def bench(
     ] = "auto",
     num_assistant_tokens_schedule: Annotated[
         str,
-        typer.Option("--num-assistant-tokens-schedule", help="constant and/or heuristic (+2 candidates after a step that accepted them all, -1 otherwise), comma-separated."),
+        typer.Option("--num-assistant-tokens-schedule", help="constant, heuristic (+2 candidates after a step that accepted them all, -1 otherwise) and/or adaptive (the candidates whose measured acceptance pays for their measured cost), comma-separated."),
     ] = "constant",
     markov_top_k: Annotated[
         str, typer.Option("--markov-top-k", help="DSpark drafts: Markov head top-K values, comma-separated; auto = the export's K, 0 = dense.")

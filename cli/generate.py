@@ -48,7 +48,7 @@ def generate(
     ] = None,
     num_assistant_tokens_schedule: Annotated[
         AssistantSchedule,
-        typer.Option("--num-assistant-tokens-schedule", help="constant, or heuristic: +2 candidates after a step that accepted them all, -1 otherwise."),
+        typer.Option("--num-assistant-tokens-schedule", help="constant; heuristic: +2 candidates after a step that accepted them all, -1 otherwise; adaptive: the candidates whose measured acceptance pays for their measured cost."),
     ] = AssistantSchedule.constant,
     markov_top_k: Annotated[
         Optional[int],

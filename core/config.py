@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 
 GIB = 1 << 30
-ASSISTANT_SCHEDULES = ("constant", "heuristic")
+ASSISTANT_SCHEDULES = ("constant", "heuristic", "adaptive")
 
 
 def _require_positive_int(name: str, value: object) -> None:
@@ -127,7 +127,9 @@ class SamplingParams:
     proposes per step for this request; None = the engine's default, 0 = no drafting.
     num_assistant_tokens_schedule: "constant" keeps that number; "heuristic" (transformers' assisted
     generation schedule) starts there, adds 2 after a step that accepted every candidate and takes 1
-    away (not below 1) after one that did not, within the draft's block.
+    away (not below 1) after one that did not, within the draft's block; "adaptive" drafts, up to that
+    number, the candidates whose measured acceptance pays for the measured cost of their rows
+    (core/adaptive.py).
     Sequences given as lists are stored as tuples so the params stay immutable.
     max_new_tokens defaults to a finite 256 because the scheduler checks at admission that
     prompt + max_new_tokens fits the KV cache.

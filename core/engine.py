@@ -279,9 +279,11 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         self._forget_drafts(sched.preempted_req_ids)
         if sched.scheduled:
+            inputs = self._pack(sched)
             start = time.perf_counter()
-            target_out = self.runner.run(self._pack(sched))
-            self.times.target_s += time.perf_counter() - start
+            target_out = self.runner.run(inputs)
+            target_s = time.perf_counter() - start
+            self.times.target_s += target_s
             new_tokens = self._verify(sched, target_out.logits)
             self.scheduler.update_from_output(sched, new_tokens)
             if self.proposer is not None:
@@ -289,6 +291,9 @@ class LLMEngine:
             outputs += [self._after_tokens(req_id, tokens) for req_id, tokens in new_tokens.items()]
             if self.proposer is not None:
                 self._draft(sched)
+                adaptive = self.proposer.adaptive
+                adaptive.observe_target(len(inputs.token_ids), target_s)
+                adaptive.observe_step(sum(map(len, new_tokens.values())), time.perf_counter() - step_start)
         # Requests the scheduler finished on its own (out of cache, unschedulable) report here.
         # The id may already belong to a new request (the old one's result was collected and its
         # id reused): only a tracked request that really finished is booked.

@@ -18,11 +18,13 @@ and finishes on the target alone: its tokens are still the target's own.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from .adaptive import AdaptiveBlockSize
 from .draft_runner import BLOCK_ROW, CONTEXT_ROW, DraftInputs, DraftRunner
 from .kv_cache_manager import KVCacheManager
 from .markov import MarkovHeadRunner
@@ -78,6 +80,7 @@ class DFlashProposer:
         self._states: dict[str, DraftState] = {}
         self.warnings: list[str] = []
         self.num_restored_tokens = 0  # prompt positions restored from the draft's prefix cache
+        self.adaptive = AdaptiveBlockSize()  # the "adaptive" schedule's acceptance and cost figures
 
     # ---- the ledger --------------------------------------------------------------------------
 
@@ -116,7 +119,9 @@ class DFlashProposer:
         if not windows:
             return {}
         inputs = self._pack(windows)
+        start = time.perf_counter()
         logits = self.runner.run(inputs)
+        self.adaptive.observe_draft(len(inputs.token_ids), time.perf_counter() - start)
         drafting, row = [], 0
         for window in windows:
             window.state.num_consumed += window.num_context
@@ -145,6 +150,8 @@ class DFlashProposer:
             return 0  # acceptance compares with the target's greedy tokens
         wanted = params.num_assistant_tokens
         wanted = self.spec.max_candidates if wanted is None else min(wanted, self.spec.max_candidates)
+        if params.num_assistant_tokens_schedule == "adaptive" and wanted:
+            return self.adaptive.block_size(wanted)
         if params.num_assistant_tokens_schedule == "heuristic" and wanted:
             state = self._states.get(request.req_id)
             if state is not None and state.num_assistant_tokens is not None:
@@ -152,8 +159,9 @@ class DFlashProposer:
         return wanted
 
     def observe(self, request: Request, num_drafted: int, num_accepted: int) -> None:
-        """After verification: the "heuristic" schedule grows the block by 2 when every candidate was
+        """After verification: acceptance for the "adaptive" schedule; the "heuristic" schedule grows the block by 2 when every candidate was
         accepted and shrinks it by 1 (not below 1) otherwise, within the draft's block."""
+        self.adaptive.observe_verification(num_drafted, num_accepted)
         state = self._states.get(request.req_id)
         if state is None or request.sampling_params.num_assistant_tokens_schedule != "heuristic":
             return

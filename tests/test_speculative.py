@@ -459,6 +459,23 @@ def test_heuristic_schedule_follows_acceptance(models, engines, draft, regime, a
     assert_pools_full(engine)
 
 
+@pytest.mark.parametrize("draft", ["dspark_ctx", "dflash_ctx"])
+def test_adaptive_schedule_is_lossless_and_stays_in_the_block(engines, mixed_reference, draft):
+    """The adaptive schedule changes how many candidates each step drafts (1 up to the request's
+    num_assistant_tokens), never the tokens; 16 requests at once give it steps of many row counts."""
+    engine = engines.get("mixed", draft)
+    texts = list(mixed_reference)[:16]
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True, num_assistant_tokens_schedule="adaptive")
+    run = run_all(engine, texts, params)
+    assert [r.token_ids for r in run.results] == [mixed_reference[t] for t in texts]
+    check_metrics(run)
+    max_k = engine.proposer.spec.max_candidates
+    assert all(1 <= len(r.spec.drafted_per_position) <= max_k for r in run.results)
+    assert engine.proposer.adaptive.row_seconds() is not None  # enough varied steps to fit a cost
+    assert 1 <= engine.proposer.adaptive.block_size(max_k) <= max_k
+    assert_pools_full(engine)
+
+
 @pytest.mark.parametrize("draft", ["dspark_zero", "dflash_zero"])
 def test_max_new_tokens_ends_inside_a_block(models, engines, draft):
     """Full acceptance: max_new_tokens that no whole number of blocks reaches is still met exactly."""
