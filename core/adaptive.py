@@ -6,12 +6,13 @@ tokens to a step. It costs one more row in the target's verification and one mor
 block: b seconds, the slope of inference time over rows, fitted on the recent steps of each model.
 With R the recent committed tokens per second, adding the candidate raises R exactly when q_i > b * R.
 So the block ends before the first position whose acceptance is at or below b * R: at least one
-candidate (so acceptance keeps being measured), at most the request's num_assistant_tokens.
+candidate (so acceptance keeps being measured), at most the request's num_assistant_tokens. Only
+generation steps are fitted: rows of a prompt chunk cost less each than a few verification rows.
 
 On two CPU cores a verified row costs little while one request runs (the step reads the weights
-either way) and about as much as a token once eight share a step: the same draft then drafts ~5
-candidates alone and 1 under load. Until `min_steps` steps with different row counts are seen, and
-while nothing has been verified yet, the request's own num_assistant_tokens is used.
+either way) and about as much as a token once eight share a step, so the same draft drafts more
+candidates alone than under load. Until `min_steps` generation steps with different row counts have
+been fitted, the schedule explores: the request's whole block, half of it and one candidate in turn.
 """
 
 from __future__ import annotations
@@ -29,34 +30,33 @@ class AdaptiveBlockSize:
     def __init__(self, window: int = 128, min_steps: int = 16):
         self.acceptance = SpecDecodingStats()  # every verification of every request
         self.min_steps = min_steps
-        self._target: deque[tuple[int, float]] = deque(maxlen=window)  # (rows, seconds) per inference
+        # Per generation step (no prompt chunk in it: prefill rows are cheaper per row than a few
+        # verification rows, and the choice here is about the latter).
+        self._target: deque[tuple[int, float]] = deque(maxlen=window)  # (rows, seconds)
         self._draft: deque[tuple[int, float]] = deque(maxlen=window)
-        self._steps: deque[tuple[int, float]] = deque(maxlen=window)  # (committed tokens, seconds) per step
+        self._steps: deque[tuple[int, float]] = deque(maxlen=window)  # (committed tokens, seconds)
+        self._row_seconds: float | None = None  # the last fit, kept while the rows stop varying
         self._threshold: float | None = None
         self._stale = True
+        self._num_explored = 0
 
     def observe_verification(self, num_drafted: int, num_accepted: int) -> None:
         self.acceptance.observe(num_drafted, num_accepted)
         self._stale = True
 
-    def observe_target(self, num_rows: int, seconds: float) -> None:
-        self._target.append((num_rows, seconds))
-        self._stale = True
-
-    def observe_draft(self, num_rows: int, seconds: float) -> None:
-        self._draft.append((num_rows, seconds))
-        self._stale = True
-
-    def observe_step(self, num_committed: int, seconds: float) -> None:
+    def observe_step(self, target: tuple[int, float], draft: tuple[int, float], num_committed: int, seconds: float) -> None:
+        """One generation step: (rows, seconds) of each model's inference, tokens committed, step time."""
+        self._target.append(target)
+        self._draft.append(draft)
         self._steps.append((num_committed, seconds))
         self._stale = True
 
     def row_seconds(self) -> float | None:
         """Seconds one more row adds to a step (target plus draft); None until it can be fitted."""
         target = _slope(self._target, self.min_steps)
-        if target is None:
-            return None
-        return target + (_slope(self._draft, self.min_steps) or 0.0)
+        if target is not None:
+            self._row_seconds = target + (_slope(self._draft, self.min_steps) or 0.0)
+        return self._row_seconds
 
     def threshold(self) -> float | None:
         """The acceptance a candidate position needs to pay for its rows: b * R."""
@@ -75,7 +75,10 @@ class AdaptiveBlockSize:
         threshold = self.threshold()
         acceptance = self.acceptance.acceptance_by_position
         if threshold is None or not acceptance:
-            return cap
+            # Exploring: the whole block, half of it and one candidate in turn, so that acceptance
+            # is measured at every position and steps come with different numbers of rows.
+            self._num_explored += 1
+            return (cap, (cap + 1) // 2, 1)[self._num_explored % 3]
         size = 0
         for q in acceptance[:cap]:
             if q <= threshold:

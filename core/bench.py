@@ -286,7 +286,7 @@ def _setting_name(kind: str, concurrency: int, num_assistant_tokens: int | None,
     if kind == "baseline":
         return f"baseline c={concurrency}"
     name = f"spec c={concurrency} k={'auto' if num_assistant_tokens is None else num_assistant_tokens}"
-    name += " heuristic" if schedule == "heuristic" else ""
+    name += f" {schedule}" if schedule not in (None, "constant") else ""
     return name + (f" topk={top_k}" if top_k is not None else "")
 
 

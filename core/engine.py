@@ -290,10 +290,11 @@ class LLMEngine:
                 self._feed_draft(sched, target_out)
             outputs += [self._after_tokens(req_id, tokens) for req_id, tokens in new_tokens.items()]
             if self.proposer is not None:
+                self.proposer.last_inference = (0, 0.0)
                 self._draft(sched)
-                adaptive = self.proposer.adaptive
-                adaptive.observe_target(len(inputs.token_ids), target_s)
-                adaptive.observe_step(sum(map(len, new_tokens.values())), time.perf_counter() - step_start)
+                if not any(s.is_prefill_chunk for s in sched.scheduled):  # a generation step: its cost per row
+                    self.proposer.adaptive.observe_step((len(inputs.token_ids), target_s), self.proposer.last_inference,
+                                                        sum(map(len, new_tokens.values())), time.perf_counter() - step_start)  # fmt: skip
         # Requests the scheduler finished on its own (out of cache, unschedulable) report here.
         # The id may already belong to a new request (the old one's result was collected and its
         # id reused): only a tracked request that really finished is booked.

@@ -81,6 +81,7 @@ class DFlashProposer:
         self.warnings: list[str] = []
         self.num_restored_tokens = 0  # prompt positions restored from the draft's prefix cache
         self.adaptive = AdaptiveBlockSize()  # the "adaptive" schedule's acceptance and cost figures
+        self.last_inference = (0, 0.0)  # (rows, seconds) of the latest draft inference
 
     # ---- the ledger --------------------------------------------------------------------------
 
@@ -121,7 +122,7 @@ class DFlashProposer:
         inputs = self._pack(windows)
         start = time.perf_counter()
         logits = self.runner.run(inputs)
-        self.adaptive.observe_draft(len(inputs.token_ids), time.perf_counter() - start)
+        self.last_inference = (len(inputs.token_ids), time.perf_counter() - start)
         drafting, row = [], 0
         for window in windows:
             window.state.num_consumed += window.num_context

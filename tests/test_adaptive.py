@@ -13,26 +13,29 @@ def feed(policy: AdaptiveBlockSize, *, base: float, per_row: float, rows: list[i
     whose position i is accepted in the share acceptance[i] of them."""
     for i in range(len(rows) * 4):
         n = rows[i % len(rows)]
-        policy.observe_target(n, base + per_row * n)
-        policy.observe_draft(n, (base + per_row * n) / 2)
-        policy.observe_step(tokens_per_step, 1.5 * (base + per_row * n))
+        seconds = base + per_row * n
+        policy.observe_step((n, seconds), (n, seconds / 2), tokens_per_step, 1.5 * seconds)
     for step in range(steps):
         accepted = sum(1 for q in acceptance if step < q * steps)  # position i accepted q_i * steps times
         policy.observe_verification(len(acceptance), accepted)
 
 
-def test_no_measurements_use_the_requests_own_block():
+def test_without_a_cost_fit_it_explores_whole_half_and_single_blocks():
     policy = AdaptiveBlockSize()
-    assert policy.block_size(15) == 15
+    assert sorted(policy.block_size(15) for _ in range(6)) == [1, 1, 8, 8, 15, 15]
     policy.observe_verification(3, 1)
-    assert policy.block_size(15) == 15  # acceptance but no cost yet
+    assert sorted(policy.block_size(7) for _ in range(3)) == [1, 4, 7]  # acceptance but no cost yet
 
 
-def test_rows_that_never_vary_cannot_be_fitted():
-    policy = AdaptiveBlockSize(min_steps=4)
+def test_rows_that_never_vary_cannot_be_fitted_but_an_earlier_fit_is_kept():
+    policy = AdaptiveBlockSize(min_steps=4, window=8)
     feed(policy, base=0.01, per_row=0.001, rows=[8], tokens_per_step=8, acceptance=[0.5, 0.2])
     assert policy.row_seconds() is None
-    assert policy.block_size(7) == 7
+    feed(policy, base=0.01, per_row=0.001, rows=[4, 8], tokens_per_step=8, acceptance=[0.5, 0.2])
+    fitted = policy.row_seconds()
+    assert fitted == pytest.approx(0.0015)
+    feed(policy, base=0.01, per_row=0.001, rows=[8], tokens_per_step=8, acceptance=[0.5, 0.2])  # the window forgets
+    assert policy.row_seconds() == fitted
 
 
 def test_the_fitted_row_cost_is_the_slope_of_both_models():
