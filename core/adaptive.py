@@ -38,7 +38,7 @@ class AdaptiveBlockSize:
         self._row_seconds: float | None = None  # the last fit, kept while the rows stop varying
         self._threshold: float | None = None
         self._stale = True
-        self._num_explored = 0
+        self._num_steps = 0  # generation steps observed, for the exploration's turns
 
     def observe_verification(self, num_drafted: int, num_accepted: int) -> None:
         self.acceptance.observe(num_drafted, num_accepted)
@@ -49,6 +49,7 @@ class AdaptiveBlockSize:
         self._target.append(target)
         self._draft.append(draft)
         self._steps.append((num_committed, seconds))
+        self._num_steps += 1
         self._stale = True
 
     def row_seconds(self) -> float | None:
@@ -75,10 +76,9 @@ class AdaptiveBlockSize:
         threshold = self.threshold()
         acceptance = self.acceptance.acceptance_by_position
         if threshold is None or not acceptance:
-            # Exploring: the whole block, half of it and one candidate in turn, so that acceptance
-            # is measured at every position and steps come with different numbers of rows.
-            self._num_explored += 1
-            return (cap, (cap + 1) // 2, 1)[self._num_explored % 3]
+            # Exploring: the whole block, half of it and one candidate in turn, step by step, so
+            # that acceptance is measured at every position and steps come with different rows.
+            return (cap, (cap + 1) // 2, 1)[self._num_steps % 3]
         size = 0
         for q in acceptance[:cap]:
             if q <= threshold:

@@ -160,8 +160,9 @@ class DFlashProposer:
         return wanted
 
     def observe(self, request: Request, num_drafted: int, num_accepted: int) -> None:
-        """After verification: acceptance for the "adaptive" schedule; the "heuristic" schedule grows the block by 2 when every candidate was
-        accepted and shrinks it by 1 (not below 1) otherwise, within the draft's block."""
+        """After verification: acceptance for the "adaptive" schedule; the "heuristic" schedule grows
+        the block by 2 when every candidate was accepted and shrinks it by 1 (not below 1) otherwise,
+        within the draft's block."""
         self.adaptive.observe_verification(num_drafted, num_accepted)
         state = self._states.get(request.req_id)
         if state is None or request.sampling_params.num_assistant_tokens_schedule != "heuristic":
@@ -170,21 +171,18 @@ class DFlashProposer:
         grown = current + 2 if num_accepted >= num_drafted else current - 1
         state.num_assistant_tokens = max(1, min(grown, self.spec.max_candidates))
 
-    def num_candidates(self, request: Request) -> int:
-        """Candidates to verify now: the block's, but only as many as leave room in max_new_tokens
-        for the accepted candidates plus the bonus token."""
-        room = request.sampling_params.max_new_tokens - request.num_output_tokens - 1
-        return max(0, min(self.block_size(request), room))
-
     def _plan(self, request: Request) -> _Window | None:
         state = self._states.get(request.req_id)
         if state is None or not state.enabled or request.is_finished:
             return None
         caught_up = state.next_position == request.num_tokens - 1 and request.num_computed_tokens == request.num_tokens - 1
-        num_candidates = self.num_candidates(request) if caught_up else 0
-        # Near max_new_tokens the block keeps all its mask rows and only the first rows are read:
-        # the mask rows attend to each other, so a shorter block would draft different candidates.
-        num_block_rows = self.block_size(request) + self.spec.candidate_position_offset if num_candidates else 0
+        block = self.block_size(request) if caught_up else 0
+        # Verified: only as many as leave room in max_new_tokens for the accepted ones plus the bonus.
+        # The block keeps all its mask rows even so: they attend to each other, so a shorter block
+        # would draft different candidates.
+        room = request.sampling_params.max_new_tokens - request.num_output_tokens - 1
+        num_candidates = max(0, min(block, room))
+        num_block_rows = block + self.spec.candidate_position_offset if num_candidates else 0
         num_rows = state.num_pending + num_block_rows
         if num_rows == 0:
             return None
