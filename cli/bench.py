@@ -22,7 +22,7 @@ Examples:
 
   dflash bench out/target --draft out/draft --concurrency 1,4,8 --num-assistant-tokens 4,8,15 --json bench.json
 
-  dflash bench --concurrency 1,8 --num-assistant-tokens 3,auto --num-assistant-tokens-schedule constant,heuristic
+  dflash bench --concurrency 1,8 --num-assistant-tokens 3,auto --num-assistant-tokens-schedule constant,adaptive
 
   dflash bench out/target --draft out/draft --dataset prompts.jsonl --plot bench.png --min-accepted-length 2
 

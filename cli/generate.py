@@ -25,6 +25,8 @@ Examples:
   dflash generate out/target "def fib(n):" --no-chat --ov-config INFERENCE_PRECISION_HINT=f32
 
   dflash generate out/target --draft out/draft --prompts-file prompts.txt --num-assistant-tokens 8
+
+  dflash generate --prompts-file prompts.txt --num-assistant-tokens-schedule adaptive   # drafts what pays
 """
 
 
