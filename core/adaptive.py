@@ -9,9 +9,9 @@ So the block ends before the first position whose acceptance is at or below b * 
 candidate (so acceptance keeps being measured), at most the request's num_assistant_tokens. Only
 generation steps are fitted: rows of a prompt chunk cost less each than a few verification rows.
 
-On two CPU cores a verified row costs little while one request runs (the step reads the weights
-either way) and about as much as a token once eight share a step, so the same draft drafts more
-candidates alone than under load. Until `min_steps` generation steps with different row counts have
+What a row costs depends on the machine and on how full the steps already are, so it is measured,
+not assumed: on two CPU cores the default pair ends up with a few candidates for one request and fewer
+with eight (docs/benchmarks.md). Until `min_steps` generation steps with different row counts have
 been fitted, the schedule explores: the request's whole block, half of it and one candidate in turn.
 """
 
