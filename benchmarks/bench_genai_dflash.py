@@ -148,14 +148,13 @@ class Row:
         }
 
 
-def format_table(rows: list[Row]) -> str:
+def format_table(summaries: list[dict]) -> str:
     lines = [
         "| K | prompts | dflash tok/s | genai tok/s | ours/peer (wall) | ours/peer (CPU time) | median per-request ratio | "
         "tau dflash | tau genai | same acceptance | identical outputs |",
         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for row in rows:
-        s = row.summary()
+    for s in summaries:
         lines.append(
             f"| {s['num_assistant_tokens']} | {s['num_prompts']} | {s['dflash_tps']:.1f} | {s['genai_tps']:.1f} | "
             f"{s['ratio_wall']:.2f} | {s['ratio_cpu']:.2f} | {s['median_request_ratio']:.2f} | {s['dflash_tau']:.2f} | "
@@ -246,13 +245,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"target {target}; dflash draft {draft}; genai draft {stateful}; greedy, ignore_eos, {args.max_new_tokens} new "
         f"tokens, concurrency 1, max_num_batched_tokens {args.max_num_batched_tokens}, ov_config {ov_config or 'defaults'}"
     )
-    print(format_table(rows))
+    summaries = [row.summary() for row in rows]
+    print(format_table(summaries))
     if args.json:
-        args.json.write_text(json.dumps({"environment": env, "rows": [{**r.summary(), "ours": [asdict(x) for x in r.ours],
-                                                                      "peer": [asdict(x) for x in r.peer]} for r in rows]}, indent=2))  # fmt: skip
+        args.json.write_text(json.dumps({"environment": env, "rows": [{**s, "ours": [asdict(x) for x in r.ours],
+                                                                      "peer": [asdict(x) for x in r.peer]}
+                                                                     for s, r in zip(summaries, rows)]}, indent=2))  # fmt: skip
     if args.exact:
-        unequal = [r.num_assistant_tokens for r in rows if r.summary()["same_acceptance"] != r.num_prompts
-                   or r.summary()["identical_outputs"] != r.num_prompts]  # fmt: skip
+        unequal = [s["num_assistant_tokens"] for s in summaries
+                   if s["same_acceptance"] != s["num_prompts"] or s["identical_outputs"] != s["num_prompts"]]  # fmt: skip
         if unequal:
             print(f"f32: acceptance or outputs differ from genai at K={unequal}", file=sys.stderr)
             return 1

@@ -290,7 +290,6 @@ class LLMEngine:
                 self._feed_draft(sched, target_out)
             outputs += [self._after_tokens(req_id, tokens) for req_id, tokens in new_tokens.items()]
             if self.proposer is not None:
-                self.proposer.last_inference = (0, 0.0)
                 self._draft(sched)
                 if not any(s.is_prefill_chunk for s in sched.scheduled):  # a generation step: its cost per row
                     self.proposer.adaptive.observe_step((len(inputs.token_ids), target_s), self.proposer.last_inference,

@@ -81,7 +81,7 @@ class DFlashProposer:
         self.warnings: list[str] = []
         self.num_restored_tokens = 0  # prompt positions restored from the draft's prefix cache
         self.adaptive = AdaptiveBlockSize()  # the "adaptive" schedule's acceptance and cost figures
-        self.last_inference = (0, 0.0)  # (rows, seconds) of the latest draft inference
+        self.last_inference = (0, 0.0)  # (rows, seconds) of the latest propose() (0 rows: it ran none)
 
     # ---- the ledger --------------------------------------------------------------------------
 
@@ -117,6 +117,7 @@ class DFlashProposer:
     def propose(self, requests: Iterable[Request]) -> dict[str, list[int]]:
         """Run every request's window in one inference; candidates per request that drafted."""
         windows = [w for w in (self._plan(r) for r in requests) if w is not None]
+        self.last_inference = (0, 0.0)
         if not windows:
             return {}
         inputs = self._pack(windows)
