@@ -332,7 +332,7 @@ def make_engine(pair: Pair, options: dict, args) -> LLMEngine:
 
 def run_round(engine: LLMEngine, prompts: list[list[int]], args) -> RoundResult:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
-    head = engine.proposer.markov if engine.proposer is not None else None
+    head = engine.drafter.markov if engine.has_draft else None
     draft_s, step_s = engine.times.draft_s, engine.times.step_s
     head_s = head.seconds if head is not None else 0.0
     start = time.perf_counter()

@@ -52,8 +52,8 @@ def bench(
     ] = "auto",
     num_assistant_tokens_schedule: Annotated[
         str,
-        typer.Option("--num-assistant-tokens-schedule", help="constant, heuristic (+2 candidates after a step that accepted them all, -1 otherwise) and/or adaptive (the candidates whose measured acceptance pays for their measured cost), comma-separated."),
-    ] = "constant",
+        typer.Option("--num-assistant-tokens-schedule", help="adaptive (per request, the candidates whose measured acceptance pays for the measured cost of drafting, none if nothing pays), constant (always --num-assistant-tokens) and/or heuristic (+2 candidates after a step that accepted them all, -1 otherwise), comma-separated."),
+    ] = "adaptive",
     markov_top_k: Annotated[
         str, typer.Option("--markov-top-k", help="DSpark drafts: Markov head top-K values, comma-separated; auto = the export's K, 0 = dense.")
     ] = "auto",
@@ -297,14 +297,14 @@ def _print_tables(report, output: Output) -> None:
     if not report.speculative:
         return
     acceptance = Table(title="acceptance" + suffix)
-    for column in ("setting", "tau", "acc", "target", "draft", "=base", "1st diff"):
+    for column in ("setting", "tau", "acc", "drafting", "target", "draft", "=base", "1st diff"):
         acceptance.add_column(column, justify="left" if column == "setting" else "right", no_wrap=True)
     for s in report.speculative:
         spec = s.spec or {}
         agreement = f"{s.agreement.identical}/{s.agreement.compared}" if s.agreement else "-"
         divergence = _fmt(s.agreement.median_first_divergence, "g") if s.agreement else "-"
         acceptance.add_row(s.name, _fmt(spec.get("mean_accepted_length"), ".2f"), _fmt(spec.get("acceptance_rate"), ".1%"),
-                           _fmt(s.target_share, ".0%"), _fmt(s.draft_share, ".0%"), agreement, divergence)  # fmt: skip
+                           _fmt(s.drafting_share, ".0%"), _fmt(s.target_share, ".0%"), _fmt(s.draft_share, ".0%"), agreement, divergence)  # fmt: skip
     output.data(acceptance)
     positions = Table(title="acceptance by draft position")
     positions.add_column("setting", no_wrap=True)

@@ -26,7 +26,7 @@ Examples:
 
   dflash generate out/target --draft out/draft --prompts-file prompts.txt --num-assistant-tokens 8
 
-  dflash generate --prompts-file prompts.txt --num-assistant-tokens-schedule adaptive   # drafts what pays
+  dflash generate --prompts-file prompts.txt --num-assistant-tokens-schedule constant   # always the whole block
 """
 
 
@@ -50,8 +50,8 @@ def generate(
     ] = None,
     num_assistant_tokens_schedule: Annotated[
         AssistantSchedule,
-        typer.Option("--num-assistant-tokens-schedule", help="constant; heuristic: +2 candidates after a step that accepted them all, -1 otherwise; adaptive: the candidates whose measured acceptance pays for their measured cost."),
-    ] = AssistantSchedule.constant,
+        typer.Option("--num-assistant-tokens-schedule", help="adaptive: per request, the candidates whose measured acceptance pays for the measured cost of drafting (none if nothing pays); constant: always --num-assistant-tokens; heuristic: +2 candidates after a step that accepted them all, -1 otherwise."),
+    ] = AssistantSchedule.adaptive,
     markov_top_k: Annotated[
         Optional[int],
         typer.Option("--markov-top-k", min=0, help="DSpark drafts: candidates per row the Markov head scores (default: the export's K; 0: the dense Markov walk).", show_default=False),
@@ -130,7 +130,7 @@ def generate(
             _print_results(finished, output, streamed=len(all_prompts) == 1 and not json_output)
             for warning in engine.warnings:
                 output.warning(warning)
-            if engine.proposer is not None:
+            if engine.has_draft:
                 _print_acceptance(engine, output)
     if any(result.error for result in finished):
         raise typer.Exit(1)

@@ -1,103 +1,265 @@
-"""The "adaptive" num_assistant_tokens schedule: verify a candidate only where it pays for itself.
+"""The "adaptive" schedule: draft, per request, the candidates that pay for the whole cost of drafting.
 
-A candidate at block position i is accepted with probability q_i (the engine's measured acceptance by
-position; accepting position i means every earlier one was accepted too), so it adds q_i expected
-tokens to a step. It costs one more row in the target's verification and one more in the draft's
-block: b seconds, the slope of inference time over rows, fitted on the recent steps of each model.
-With R the recent committed tokens per second, adding the candidate raises R exactly when q_i > b * R.
-So the block ends before the first position whose acceptance is at or below b * R: at least one
-candidate (so acceptance keeps being measured), at most the request's num_assistant_tokens. Only
-generation steps are fitted: rows of a prompt chunk cost less each than a few verification rows.
+Throughput of the next step, with n requests generating, k_r candidates for request r and q_r(i) the
+estimated probability that request r's candidate at block position i is accepted (every earlier
+one too):
 
-What a row costs depends on the machine and on how full the steps already are, so it is measured,
-not assumed: on two CPU cores the default pair ends up with a few candidates for one request and fewer
-with eight (docs/benchmarks.md). Until `min_steps` generation steps with different row counts have
-been fitted, the schedule explores: the request's whole block, half of it and one candidate in turn.
+    tokens  = n + sum_r sum_{i < k_r} q_r(i)
+    seconds = T(n + sum_r k_r) + [any k_r > 0] * D(draft rows)
+
+T and D are straight lines fitted on this engine's own measured steps (seconds = fixed + per_row *
+rows, host work included): T over generation steps of the target, D over the draft's steps. The
+draft's fixed cost (one more inference per step) is paid once, by the whole step, as soon as one
+request drafts, so the choice is made jointly: every (request, position) slot is sorted by q, and the
+prefix of slots with the highest tokens / seconds is drafted, which may be none (zero candidates:
+the draft does not run this step at all; committed rows wait in the request's ledger and are caught
+up in one packed pass when it drafts again).
+
+q_r(i) is per request, so one request whose draft fails does not stop the others: decayed counts of
+its own verifications (recent steps weigh more: acceptance changes along a response), shrunk towards
+the engine-wide figure by `prior_weight` pseudo-steps. Positions never measured are extrapolated
+with the last measured ratio q(i) / q(i - 1).
+
+A request that stopped drafting is probed again: after `probe_after` steps without candidates it
+drafts `probe_candidates` candidates once, and each probe that does not bring drafting back doubles
+the wait (up to `max_probe_after`). Waits are powers of two counted in engine steps, so the probes
+of several requests fall on the same steps and share one draft inference.
+
+Until both lines are fitted (`min_steps` varied steps each) the schedule explores: the whole block,
+half of it and one candidate, step by step.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from .metrics import SpecDecodingStats
 
+class LinearCost:
+    """seconds = fixed + per_row * rows, least squares over the latest `window` observations.
 
-class AdaptiveBlockSize:
-    """Fits the cost of a row and measures acceptance; answers how many candidates to draft."""
+    An earlier fit is kept while new observations cannot be fitted (rows that barely vary)."""
 
-    def __init__(self, window: int = 128, min_steps: int = 16):
-        self.acceptance = SpecDecodingStats()  # every verification of every request
-        self.min_steps = min_steps
-        # Per generation step (no prompt chunk in it: prefill rows are cheaper per row than a few
-        # verification rows, and the choice here is about the latter).
-        self._target: deque[tuple[int, float]] = deque(maxlen=window)  # (rows, seconds)
-        self._draft: deque[tuple[int, float]] = deque(maxlen=window)
-        self._steps: deque[tuple[int, float]] = deque(maxlen=window)  # (committed tokens, seconds)
-        self._row_seconds: float | None = None  # the last fit, kept while the rows stop varying
-        self._threshold: float | None = None
-        self._stale = True
-        self._num_steps = 0  # generation steps observed, for the exploration's turns
+    def __init__(self, window: int = 128, min_samples: int = 8, min_row_spread: float = 1.0):
+        self._samples: deque[tuple[int, float]] = deque(maxlen=window)
+        self.min_samples = min_samples
+        self.min_row_spread = min_row_spread
+        self._fit: tuple[float, float] | None = None
+        self._stale = False
 
-    def observe_verification(self, num_drafted: int, num_accepted: int) -> None:
-        self.acceptance.observe(num_drafted, num_accepted)
+    def observe(self, rows: int, seconds: float) -> None:
+        self._samples.append((rows, seconds))
         self._stale = True
 
-    def observe_step(self, target: tuple[int, float], draft: tuple[int, float], num_committed: int, seconds: float) -> None:
-        """One generation step: (rows, seconds) of each model's inference, tokens committed, step time."""
-        self._target.append(target)
-        self._draft.append(draft)
-        self._steps.append((num_committed, seconds))
-        self._num_steps += 1
-        self._stale = True
-
-    def row_seconds(self) -> float | None:
-        """Seconds one more row adds to a step (target plus draft); None until it can be fitted."""
-        target = _slope(self._target, self.min_steps)
-        if target is not None:
-            self._row_seconds = target + (_slope(self._draft, self.min_steps) or 0.0)
-        return self._row_seconds
-
-    def threshold(self) -> float | None:
-        """The acceptance a candidate position needs to pay for its rows: b * R."""
-        if self._stale:
+    def fit(self) -> tuple[float, float] | None:
+        """(fixed seconds, seconds per row), or None until it can be fitted."""
+        if self._stale and len(self._samples) >= self.min_samples:
             self._stale = False
-            row_seconds = self.row_seconds()
-            seconds = sum(s for _, s in self._steps)
-            if row_seconds is None or seconds <= 0:
-                self._threshold = None
-            else:
-                self._threshold = max(row_seconds, 0.0) * sum(t for t, _ in self._steps) / seconds
-        return self._threshold
+            rows = np.fromiter((r for r, _ in self._samples), dtype=np.float64, count=len(self._samples))
+            seconds = np.fromiter((s for _, s in self._samples), dtype=np.float64, count=len(self._samples))
+            if rows.std() >= self.min_row_spread:
+                spread = rows - rows.mean()
+                per_row = max(0.0, float(spread @ (seconds - seconds.mean())) / float(spread @ spread))
+                fixed = max(0.0, float(seconds.mean()) - per_row * float(rows.mean()))
+                self._fit = (fixed, per_row)
+        return self._fit
 
-    def block_size(self, cap: int) -> int:
-        """Candidates to draft, between 1 and `cap` (the request's num_assistant_tokens)."""
-        threshold = self.threshold()
-        acceptance = self.acceptance.acceptance_by_position
-        if threshold is None or not acceptance:
-            # Exploring: the whole block, half of it and one candidate in turn, step by step, so
-            # that acceptance is measured at every position and steps come with different rows.
-            return (cap, (cap + 1) // 2, 1)[self._num_steps % 3]
-        size = 0
-        for q in acceptance[:cap]:
-            if q <= threshold:
-                break
-            size += 1
-        # Positions never drafted yet (the cap grew) are tried once the measured ones all pay.
-        if size == len(acceptance) < cap:
-            size += 1
-        return max(1, min(size, cap))
+    def seconds(self, rows: int) -> float:
+        fixed, per_row = self.fit() or (0.0, 0.0)
+        return fixed + per_row * rows
 
 
-def _slope(samples: deque[tuple[int, float]], min_samples: int) -> float | None:
-    """Least-squares slope of seconds over rows; None with too few samples or rows that never vary."""
-    if len(samples) < min_samples:
-        return None
-    rows = np.fromiter((r for r, _ in samples), dtype=np.float64, count=len(samples))
-    seconds = np.fromiter((s for _, s in samples), dtype=np.float64, count=len(samples))
-    spread = rows - rows.mean()
-    variance = float(spread @ spread)
-    if variance == 0.0:
-        return None
-    return float(spread @ (seconds - seconds.mean())) / variance
+class AcceptanceCounts:
+    """Decayed counts of verifications by block position: drafted and accepted (every earlier too)."""
+
+    def __init__(self, decay: float):
+        self.decay = decay
+        self.drafted: list[float] = []
+        self.accepted: list[float] = []
+
+    def observe(self, num_drafted: int, num_accepted: int) -> None:
+        if num_drafted <= 0:
+            return
+        if len(self.drafted) < num_drafted:
+            grow = num_drafted - len(self.drafted)
+            self.drafted += [0.0] * grow
+            self.accepted += [0.0] * grow
+        for i in range(len(self.drafted)):
+            self.drafted[i] *= self.decay
+            self.accepted[i] *= self.decay
+        for i in range(num_drafted):
+            self.drafted[i] += 1.0
+            self.accepted[i] += 1.0 if i < num_accepted else 0.0
+
+    def estimate(self, length: int, prior: Sequence[float] | None = None, prior_weight: float = 0.0) -> list[float]:
+        """q(0..length-1): counts shrunk towards `prior`, unmeasured positions extrapolated, and made
+        non-increasing (accepting position i needs every earlier one accepted)."""
+        q: list[float] = []
+        for i in range(length):
+            drafted = self.drafted[i] if i < len(self.drafted) else 0.0
+            accepted = self.accepted[i] if i < len(self.accepted) else 0.0
+            weight = prior_weight if prior is not None else 0.0
+            if drafted + weight <= 1e-9:
+                q.append(_extrapolate(q))
+                continue
+            prior_q = prior[i] if prior is not None else 0.0
+            q.append((accepted + weight * prior_q) / (drafted + weight))
+        for i in range(1, length):
+            q[i] = min(q[i], q[i - 1])
+        return q
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.drafted
+
+
+def _extrapolate(q: list[float]) -> float:
+    if not q:
+        return 0.5  # nothing measured at all: a coin flip, and exploration measures it
+    if len(q) == 1 or q[-2] <= 0:
+        return q[-1] * q[-1]
+    return q[-1] * min(1.0, q[-1] / q[-2])
+
+
+@dataclass
+class _RequestState:
+    counts: AcceptanceCounts
+    steps_without: int = 0  # engine steps since this request last drafted
+    probe_after: int = 0  # 0: not paused
+    probing: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A request the schedule may draft for this step."""
+
+    req_id: str
+    cap: int  # at most this many candidates (num_assistant_tokens, the draft's block)
+    num_pending_rows: int = 0  # committed rows the draft has not read yet (paid when it runs)
+
+
+@dataclass
+class AdaptiveSchedule:
+    """Per-request candidate counts that maximize the expected tokens per second of the next step."""
+
+    min_steps: int = 8
+    prior_weight: float = 2.0
+    request_decay: float = 0.8
+    engine_decay: float = 0.98
+    probe_after: int = 4
+    max_probe_after: int = 64
+    probe_candidates: int = 4
+    target_cost: LinearCost = field(default_factory=LinearCost)
+    draft_cost: LinearCost = field(default_factory=LinearCost)
+
+    def __post_init__(self) -> None:
+        self.target_cost.min_samples = self.draft_cost.min_samples = self.min_steps
+        self.engine_wide = AcceptanceCounts(self.engine_decay)
+        self._requests: dict[str, _RequestState] = {}
+        self._num_steps = 0
+        self.num_decisions = 0  # (request, step) decisions made
+        self.num_drafting = 0  # of them, with at least one candidate
+
+    # ---- what happened ----------------------------------------------------------------------------
+
+    def observe_verification(self, req_id: str, num_drafted: int, num_accepted: int) -> None:
+        self.engine_wide.observe(num_drafted, num_accepted)
+        self._state(req_id).counts.observe(num_drafted, num_accepted)
+
+    def observe_target(self, rows: int, seconds: float) -> None:
+        """A generation step of the target (no prompt chunk in it): its rows and seconds."""
+        self.target_cost.observe(rows, seconds)
+
+    def observe_draft(self, rows: int, seconds: float) -> None:
+        self.draft_cost.observe(rows, seconds)
+
+    def forget(self, req_id: str) -> None:
+        self._requests.pop(req_id, None)
+
+    # ---- the decision ----------------------------------------------------------------------------
+
+    def plan(self, candidates: Sequence[Candidate], *, num_generating: int, candidate_offset: int = 0,
+             other_draft_rows: int = 0) -> dict[str, int]:  # fmt: skip
+        """Candidates per request for the next step.
+
+        num_generating: requests whose seed rows the target verifies next step (drafting or not).
+        candidate_offset: block rows before the first candidate row (1 for z-lab DFlash).
+        other_draft_rows: draft rows that run anyway if the draft runs (pending rows of paused
+            requests ride along; other schedules' blocks).
+        """
+        self._num_steps += 1
+        if not candidates:
+            return {}
+        if self.target_cost.fit() is None or self.draft_cost.fit() is None or self.engine_wide.is_empty:
+            ks = {c.req_id: self._explore(c.cap) for c in candidates}
+        else:
+            ks = self._best(candidates, num_generating, candidate_offset, other_draft_rows)
+            self._probe(candidates, ks)
+        for c in candidates:
+            state = self._state(c.req_id)
+            state.steps_without = 0 if ks[c.req_id] else state.steps_without + 1
+        self.num_decisions += len(candidates)
+        self.num_drafting += sum(1 for k in ks.values() if k)
+        return ks
+
+    def _explore(self, cap: int) -> int:
+        return (cap, (cap + 1) // 2, 1)[self._num_steps % 3]
+
+    def estimate(self, req_id: str, cap: int) -> list[float]:
+        """q(0..cap-1) for one request: its own counts, the engine-wide figure as the prior."""
+        prior = self.engine_wide.estimate(cap)
+        return self._state(req_id).counts.estimate(cap, prior, self.prior_weight)
+
+    def _best(self, candidates: Sequence[Candidate], num_generating: int, offset: int, other_draft_rows: int) -> dict[str, int]:
+        slots = sorted(
+            ((q, c) for c in candidates for q in self.estimate(c.req_id, c.cap)),
+            key=lambda slot: -slot[0],
+        )  # each request's q is non-increasing, so a prefix of slots is a prefix of each block
+        pending = sum(c.num_pending_rows for c in candidates) + other_draft_rows
+        base_seconds = self.target_cost.seconds(num_generating)
+        if other_draft_rows:  # the draft runs anyway (other schedules' blocks)
+            base_seconds += self.draft_cost.seconds(pending)
+        best_rate, best_len = num_generating / base_seconds, 0
+        tokens, rows, block_rows, drafting = float(num_generating), num_generating, 0, set()
+        for length, (q, c) in enumerate(slots, start=1):
+            tokens += q
+            rows += 1
+            block_rows += 1 + (offset if c.req_id not in drafting else 0)
+            drafting.add(c.req_id)
+            seconds = self.target_cost.seconds(rows) + self.draft_cost.seconds(pending + block_rows)
+            if tokens / seconds > best_rate:
+                best_rate, best_len = tokens / seconds, length
+        ks = {c.req_id: 0 for c in candidates}
+        for _, c in slots[:best_len]:
+            ks[c.req_id] += 1
+        return ks
+
+    def _probe(self, candidates: Sequence[Candidate], ks: dict[str, int]) -> None:
+        """Paused requests try again now and then; a probe that did not bring drafting back waits
+        twice as long for the next one."""
+        for c in candidates:
+            state = self._state(c.req_id)
+            if ks[c.req_id]:
+                state.probe_after, state.probing = 0, False
+                continue
+            if state.probing:  # the last probe did not pay
+                state.probing = False
+                state.probe_after = min(2 * state.probe_after, self.max_probe_after)
+            state.probe_after = state.probe_after or self.probe_after
+            if state.steps_without + 1 >= state.probe_after and self._num_steps % state.probe_after == 0:
+                ks[c.req_id] = min(c.cap, self.probe_candidates)
+                state.probing = True
+
+    def _state(self, req_id: str) -> _RequestState:
+        state = self._requests.get(req_id)
+        if state is None:
+            state = self._requests[req_id] = _RequestState(AcceptanceCounts(self.request_decay))
+        return state
+
+    @property
+    def drafting_share(self) -> float | None:
+        """Of the (request, step) decisions made, the share that drafted."""
+        return self.num_drafting / self.num_decisions if self.num_decisions else None

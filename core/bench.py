@@ -60,7 +60,7 @@ class BenchOptions:
     max_new_tokens: int = 128
     concurrencies: Sequence[int] = (1,)
     num_assistant_tokens: Sequence[int | None] = (None,)
-    schedules: Sequence[str] = ("constant",)  # num_assistant_tokens_schedule values
+    schedules: Sequence[str] = ("adaptive",)  # num_assistant_tokens_schedule values
     markov_top_ks: Sequence[int | None] = (None,)
     chat: bool | None = None  # None: when the tokenizer has a chat template
     warmup: int = 2
@@ -108,6 +108,7 @@ class SettingResult:
     times: dict  # StepTimes deltas over the run
     target_share: float | None  # of the step time
     draft_share: float | None
+    drafting_share: float | None  # speculative only: of the (request, step) decisions, the share that drafted
     agreement: Agreement | None  # against the baseline (speculative only, with a baseline)
     errors: list[str] = field(default_factory=list)  # requests that finished with an error
     token_ids: list[list[int]] = field(default_factory=list, repr=False)  # per prompt (not in the JSON)
@@ -286,7 +287,7 @@ def _setting_name(kind: str, concurrency: int, num_assistant_tokens: int | None,
     if kind == "baseline":
         return f"baseline c={concurrency}"
     name = f"spec c={concurrency} k={'auto' if num_assistant_tokens is None else num_assistant_tokens}"
-    name += f" {schedule}" if schedule not in (None, "constant") else ""
+    name += f" {schedule}" if schedule not in (None, "adaptive") else ""
     return name + (f" topk={top_k}" if top_k is not None else "")
 
 
@@ -298,9 +299,10 @@ def _run_setting(engine, token_prompts: list[list[int]], options: BenchOptions, 
 
     name = _setting_name(kind, concurrency, num_assistant_tokens, top_k, schedule)
     params = SamplingParams(max_new_tokens=options.max_new_tokens, ignore_eos=True, num_assistant_tokens=num_assistant_tokens,
-                            num_assistant_tokens_schedule=schedule or "constant")  # fmt: skip
+                            num_assistant_tokens_schedule=schedule or "adaptive")  # fmt: skip
     progress.setting_started(name, len(token_prompts))
     times_before = copy.copy(engine.times)
+    drafting_before = copy.copy(engine.drafter.stats) if kind == "speculative" else None
     results = run_with_concurrency(engine, token_prompts, params, concurrency, progress.request_finished)
     wall_s = time.perf_counter() - results.started
     times = _times_delta(times_before, engine.times)
@@ -330,10 +332,16 @@ def _run_setting(engine, token_prompts: list[list[int]], options: BenchOptions, 
         times=times.to_json(),
         target_share=_ratio(times.target_s, times.step_s),
         draft_share=_ratio(times.draft_s, times.step_s) if kind == "speculative" else None,
+        drafting_share=_drafting_share(drafting_before, engine.drafter.stats) if kind == "speculative" else None,
         agreement=None,
         errors=[f"prompt {i}: {r.error}" for i, r in enumerate(results.results) if r.error],
         token_ids=[r.token_ids for r in results.results],
     )
+
+
+def _drafting_share(before, after) -> float | None:
+    decisions = after.num_decisions - before.num_decisions
+    return (after.num_drafting - before.num_drafting) / decisions if decisions else None
 
 
 @dataclass

@@ -9,7 +9,7 @@ The dataclasses are frozen: change a value with `dataclasses.replace`, which val
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 GIB = 1 << 30
 ASSISTANT_SCHEDULES = ("constant", "heuristic", "adaptive")
@@ -124,12 +124,12 @@ class SamplingParams:
     temperature 0 is greedy decoding (top_p, top_k and seed are then unused). top_k 0 = no top-k cut.
     stop_token_ids and stop_strings end the request (checked by the engine, not the scheduler);
     ignore_eos keeps generating past the tokenizer's EOS. num_assistant_tokens: candidates the draft
-    proposes per step for this request; None = the engine's default, 0 = no drafting.
-    num_assistant_tokens_schedule: "constant" keeps that number; "heuristic" (transformers' assisted
+    proposes per step for this request at most; None = all the draft's block yields, 0 = no drafting.
+    num_assistant_tokens_schedule: "adaptive" (the default) drafts, up to that number, the candidates
+    whose measured acceptance pays for the measured cost of drafting, none when nothing pays
+    (core/adaptive.py); "constant" always drafts that number; "heuristic" (transformers' assisted
     generation schedule) starts there, adds 2 after a step that accepted every candidate and takes 1
-    away (not below 1) after one that did not, within the draft's block; "adaptive" drafts, up to that
-    number, the candidates whose measured acceptance pays for the measured cost of their rows
-    (core/adaptive.py).
+    away (not below 1) after one that did not, within the draft's block.
     Sequences given as lists are stored as tuples so the params stay immutable.
     max_new_tokens defaults to a finite 256 because the scheduler checks at admission that
     prompt + max_new_tokens fits the KV cache.
@@ -144,7 +144,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
     num_assistant_tokens: int | None = None
-    num_assistant_tokens_schedule: str = "constant"
+    num_assistant_tokens_schedule: str = "adaptive"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -173,3 +173,62 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+
+DEFAULT_KV_CACHE_GIB = 0.25
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine needs besides the model folders.
+
+    kv_cache_size_gib / num_kv_blocks: the target's KV cache, in GiB or in blocks (not both; default
+        0.25 GiB). draft_kv_cache_size_gib / num_draft_kv_blocks: the draft's (default: as the target's).
+    markov_head_top_k: for DSpark drafts with a Markov head, K of the Top-K candidate scorer (None: the
+        export's K; 0: the dense Markov walk). use_markov_head=False runs the draft as plain DFlash.
+    The scheduler's limits (max_num_batched_tokens, max_num_seqs, dynamic_split_fuse) are SchedulerConfig's.
+    """
+
+    device: str = "CPU"
+    ov_config: dict[str, str] = field(default_factory=dict)
+    kv_cache_size_gib: float | None = None
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    max_num_batched_tokens: int = 256
+    max_num_seqs: int = 64
+    dynamic_split_fuse: bool = True
+    draft_kv_cache_size_gib: float | None = None
+    num_draft_kv_blocks: int | None = None
+    markov_head_top_k: int | None = None
+    use_markov_head: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("kv_cache_size_gib", "draft_kv_cache_size_gib"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value!r}")
+        for name in ("num_kv_blocks", "num_draft_kv_blocks"):
+            if getattr(self, name) is not None:
+                _require_positive_int(name, getattr(self, name))
+        if self.markov_head_top_k is not None:
+            _require_non_negative_int("markov_head_top_k", self.markov_head_top_k)
+        self.scheduler_config(None)  # validates the scheduler's limits
+
+    def scheduler_config(self, max_model_len: int | None) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            dynamic_split_fuse=self.dynamic_split_fuse,
+            max_model_len=max_model_len,
+        )
+
+    def cache_config(self, block_size: int, *, draft: bool = False) -> CacheConfig:
+        """The target's (or the draft's) KV cache for a model whose compiled cache has `block_size`."""
+        num_blocks = self.num_draft_kv_blocks if draft else self.num_kv_blocks
+        size_gib = (self.draft_kv_cache_size_gib or self.kv_cache_size_gib) if draft else self.kv_cache_size_gib
+        return CacheConfig(
+            block_size=block_size,
+            num_blocks=num_blocks,
+            kv_cache_size_gib=None if num_blocks else (size_gib or DEFAULT_KV_CACHE_GIB),
+            enable_prefix_caching=self.enable_prefix_caching,
+        )

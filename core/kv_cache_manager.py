@@ -19,7 +19,7 @@ Only blocks full of committed tokens whose KV is computed are ever published.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from dflash.core.block_pool import BlockHash, BlockPool, KVBlock, hash_block_tokens
 from dflash.core.request import Request
@@ -42,9 +42,6 @@ class KVCacheManager:
         self.enable_caching = pool.enable_prefix_caching
         self._req_blocks: dict[str, list[KVBlock]] = {}
         self._num_published: dict[str, int] = {}  # leading blocks of a request already published
-        # Optional cap on a request's prefix hit, in tokens (None: no cap). A speculative engine sets
-        # it so the target restores no more of a prompt than the draft's own cache holds.
-        self.prefix_hit_limit: Callable[[Request], int | None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -66,7 +63,7 @@ class KVCacheManager:
     def num_blocks_of(self, req_id: str) -> int:
         return len(self._req_blocks.get(req_id, ()))
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+    def get_computed_blocks(self, request: Request, *, limit: int | None = None) -> tuple[list[KVBlock], int]:
         """The longest published prefix of the request's committed tokens: (blocks, num tokens).
 
         For a request that holds no blocks (a waiting one). The hit is capped at num_tokens - 1:
@@ -77,8 +74,7 @@ class KVCacheManager:
         if not self.enable_caching:
             return [], 0
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
-        limit = self.prefix_hit_limit(request) if self.prefix_hit_limit is not None else None
-        if limit is not None:
+        if limit is not None:  # the caller's cap, in tokens
             max_hit_blocks = min(max_hit_blocks, limit // self.block_size)
         blocks: list[KVBlock] = []
         for block_hash in self._block_hashes(request)[:max_hit_blocks]:

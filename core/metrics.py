@@ -88,3 +88,26 @@ class StepTimes:
 
     def to_json(self) -> dict:
         return {"target_s": self.target_s, "draft_s": self.draft_s, "step_s": self.step_s, "num_steps": self.num_steps}
+
+
+@dataclass
+class DraftingStats:
+    """How often the draft drafted: per (request, step) decision, and per engine step."""
+
+    num_decisions: int = 0  # (request, step) pairs in which the request could have drafted
+    num_drafting: int = 0  # of them, with at least one candidate
+    num_draft_steps: int = 0  # steps that ran a draft inference
+    num_idle_steps: int = 0  # steps with requests to draft for but no draft inference (none paid)
+
+    @property
+    def drafting_share(self) -> float | None:
+        return self.num_drafting / self.num_decisions if self.num_decisions else None
+
+    def to_json(self) -> dict:
+        return {
+            "num_decisions": self.num_decisions,
+            "num_drafting": self.num_drafting,
+            "drafting_share": self.drafting_share,
+            "num_draft_steps": self.num_draft_steps,
+            "num_idle_steps": self.num_idle_steps,
+        }

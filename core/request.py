@@ -60,7 +60,7 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
     output_token_ids: list[int] = field(default_factory=list)
-    spec_token_ids: list[int] = field(default_factory=list)
+    spec_token_ids: Sequence[int] = ()  # set by the engine each step, read by the scheduler
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
@@ -119,4 +119,4 @@ class Request:
         if stop <= num_tokens:
             return self._all_token_ids[start:stop]
         spec = self.spec_token_ids[max(0, start - num_tokens) : stop - num_tokens]
-        return self._all_token_ids[start:] + spec
+        return self._all_token_ids[start:] + list(spec)

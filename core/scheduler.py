@@ -21,7 +21,7 @@ allocation fits or the request itself is the victim.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from dflash.core.config import SchedulerConfig
@@ -37,8 +37,8 @@ class ScheduledRequest:
         chunk or a recompute), as opposed to a [seed; candidates] generation window.
     samples: the rows reach the end of the committed tokens, so logits are needed: for the last
         `1 + num_spec_tokens` rows (the seed row, then one row per candidate).
-    num_spec_tokens: how many of the rows are draft candidates (always the last ones); the
-        request's spec_token_ids hold exactly these after schedule().
+    num_spec_tokens: how many of the rows are draft candidates (always the last ones): the first
+        num_spec_tokens of the request's spec_token_ids.
     """
 
     req_id: str
@@ -99,9 +99,18 @@ class _Step:
 class Scheduler:
     """Holds the waiting queue and the running list; decides each step; books its results."""
 
-    def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager):
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        *,
+        prefix_hit_limit: Callable[[Request], int | None] | None = None,
+    ):
         self.config = scheduler_config
         self.kv_cache_manager = kv_cache_manager
+        # Caps a request's prefix-cache hit in tokens (None: no cap). A speculative engine passes
+        # the draft's, so the target restores no more of a prompt than the draft's own cache holds.
+        self.prefix_hit_limit = prefix_hit_limit
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last one is preempted first
         self.requests: dict[str, Request] = {}  # every unfinished request by req_id
@@ -123,7 +132,7 @@ class Scheduler:
             raise ValueError(f"request {request.req_id!r} is already finished")
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
-        request.spec_token_ids = []
+        request.spec_token_ids = ()
         error = self._admission_error(request)
         if error is not None:
             self.finish_request(request, RequestStatus.FINISHED_ERROR, error)
@@ -163,7 +172,7 @@ class Scheduler:
         request.finish_reason = reason or default_finish_reason(status)
         if status == RequestStatus.FINISHED_ERROR:
             request.error = request.finish_reason
-        request.spec_token_ids = []
+        request.spec_token_ids = ()
         self._finished_req_ids.add(request.req_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -233,7 +242,8 @@ class Scheduler:
                 break  # strict FCFS: a later request never overtakes the head
 
     def _admit(self, request: Request, step: _Step, allow_chunk: bool) -> bool:
-        hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+        limit = self.prefix_hit_limit(request) if self.prefix_hit_limit is not None else None
+        hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request, limit=limit)
         num_new_tokens = request.num_tokens - num_hit_tokens
         if num_new_tokens > step.budget:
             # Without split-fuse only a recompute longer than the whole budget may be chunked.
@@ -251,19 +261,15 @@ class Scheduler:
         return True
 
     def _num_rows_for_running(self, request: Request, budget: int) -> int:
-        """Rows from num_computed_tokens towards num_tokens_with_spec, at most `budget`.
+        """Rows from num_computed_tokens towards the end of the candidates, at most `budget`.
 
-        Candidates are trimmed first to what can still be committed (accepted + bonus token within
-        max_new_tokens, so the KV never outgrows the admission check), then to what fits the
-        budget. Verifying a prefix of the candidates is still exact.
+        Only the candidates that can still be committed count (accepted + bonus token within
+        max_new_tokens, so the KV never outgrows the admission check), and only as many as fit the
+        budget: verifying a prefix of the candidates is still exact. The step's ScheduledRequest
+        says how many are verified (num_spec_tokens); the request's candidates stay as they are.
         """
-        spec = request.spec_token_ids
-        del spec[max(0, request.max_num_tokens - 1 - request.num_tokens) :]
-        num_new_tokens = min(request.num_tokens_with_spec - request.num_computed_tokens, budget)
-        if num_new_tokens <= 0:
-            return 0
-        del spec[max(0, request.num_computed_tokens + num_new_tokens - request.num_tokens) :]
-        return num_new_tokens
+        num_spec = min(len(request.spec_token_ids), max(0, request.max_num_tokens - 1 - request.num_tokens))
+        return max(0, min(request.num_tokens + num_spec - request.num_computed_tokens, budget))
 
     def _allocate_or_preempt(self, request: Request, num_new_tokens: int, step: _Step) -> bool:
         """Allocate the rows' KV slots, preempting from the back of `running` until they fit.
@@ -285,7 +291,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED  # until readmitted (then RUNNING)
         request.num_computed_tokens = 0
-        request.spec_token_ids = []
+        request.spec_token_ids = ()
         request.num_preemptions += 1
         self.waiting.appendleft(request)
 
@@ -378,7 +384,7 @@ class Scheduler:
                 f"request {request.req_id!r}: {rejected} rejected of {scheduled.num_spec_tokens} candidates"
             )
         request.append_output_token_ids(tokens)
-        request.spec_token_ids = []
+        request.spec_token_ids = ()
         # The newest committed token never has KV yet; fewer computed rows than that is still
         # correct (they are recomputed), more would claim KV of tokens that were not committed.
         request.num_computed_tokens = min(end - (rejected or 0), request.num_tokens - 1)

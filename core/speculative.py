@@ -11,6 +11,16 @@ so the draft never runs ahead of or skips committed target rows. After the windo
 grows by d; the block rows stay in the draft's KV only until the next window overwrites them (the
 next `past_lens` does not count them), which is how a rejected block is rolled back.
 
+One draft step, after each target step (`DFlashDrafter.step`):
+
+    observe      the verdicts: acceptance for the schedules
+    ingest       the committed target hidden rows go to each request's ledger
+    plan         each request's schedule says how many candidates it drafts (0 is a choice)
+    run          if any request drafts: one packed inference over every window (requests that do
+                 not draft this step bring their pending rows along, with no block); otherwise none,
+                 and the pending rows wait to be caught up in one pass later
+    select       candidates from the candidate rows (argmax, or the DSpark Markov head)
+
 A request whose draft cannot go on (draft cache full, rows missing from the ledger) stops drafting
 and finishes on the target alone: its tokens are still the target's own.
 """
@@ -19,19 +29,25 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from .adaptive import AdaptiveBlockSize
+from .adaptive import AdaptiveSchedule, Candidate
 from .draft_runner import BLOCK_ROW, CONTEXT_ROW, DraftInputs, DraftRunner
+from .drafter import Candidates, TargetStep
 from .kv_cache_manager import KVCacheManager
 from .markov import MarkovHeadRunner
+from .metrics import DraftingStats
 from .paged import SequenceSlice
 from .request import Request
+from .schedules import make_schedules
 
 logger = logging.getLogger("dflash")
+
+# A request that does not draft keeps its committed hidden rows until it drafts again; past this
+# many bytes of them, the draft runs anyway to read them (context rows only).
+MAX_PENDING_BYTES = 64 << 20
 
 
 @dataclass
@@ -42,7 +58,6 @@ class DraftState:
     pending: list[np.ndarray] = field(default_factory=list)  # committed hidden rows after num_consumed
     num_pending: int = 0
     enabled: bool = True
-    num_assistant_tokens: int | None = None  # the "heuristic" schedule's current value
 
     @property
     def next_position(self) -> int:
@@ -59,8 +74,14 @@ class _Window:
     num_block_rows: int
 
 
-class DFlashProposer:
-    """Plans one draft window per request, runs them in one packed inference, returns candidates."""
+def drafts(request: Request) -> bool:
+    """Whether the draft follows this request (greedy, and num_assistant_tokens not 0)."""
+    params = request.sampling_params
+    return params.is_greedy and params.num_assistant_tokens != 0
+
+
+class DFlashDrafter:
+    """Keeps each request's ledger, asks the schedules for candidate counts, drafts them in one pass."""
 
     def __init__(
         self,
@@ -77,24 +98,89 @@ class DFlashProposer:
         # K 0); without one, each candidate row's argmax.
         self.markov = markov
         self.markov_top_k = markov.resolve_top_k(markov_top_k) if markov is not None else 0
+        self.schedules = make_schedules(self.spec.max_candidates)
+        self.stats = DraftingStats()
+        self.seconds = 0.0  # in draft steps (inference, head and bookkeeping)
         self._states: dict[str, DraftState] = {}
         self.warnings: list[str] = []
         self.num_restored_tokens = 0  # prompt positions restored from the draft's prefix cache
-        self.adaptive = AdaptiveBlockSize()  # the "adaptive" schedule's acceptance and cost figures
-        self.last_inference = (0, 0.0)  # (rows, seconds) of the latest propose() (0 rows: it ran none)
+        row_bytes = 4 * runner.hidden_states_width
+        self._max_pending_rows = max(1, MAX_PENDING_BYTES // row_bytes)
+
+    @property
+    def adaptive(self) -> AdaptiveSchedule:
+        return self.schedules["adaptive"]
+
+    # ---- the seam ------------------------------------------------------------------------------
+
+    def prefix_hit_limit(self, request: Request) -> int | None:
+        """How much of the request's prompt the draft's cache holds (caps the target's prefix hit)."""
+        if not drafts(request):
+            return None
+        _, num_tokens = self.kv_cache_manager.get_computed_blocks(request)
+        return num_tokens
+
+    def forget(self, request: Request) -> None:
+        """The request finished or was preempted: its draft blocks go back, its ledger is dropped."""
+        self._states.pop(request.req_id, None)
+        self.kv_cache_manager.free(request)
+        for schedule in self.schedules.values():
+            schedule.forget(request.req_id)
+
+    def step(self, target_step: TargetStep) -> Candidates:
+        """Read a target step's committed rows; draft the next step's candidates."""
+        start = time.perf_counter()
+        self._observe(target_step)
+        self._ingest(target_step)
+        requests = [r for _, r in target_step.scheduled if r is not None and not r.is_finished]
+        windows = self._plan(requests)
+        candidates: Candidates = {}
+        if windows:
+            candidates = self._run(windows)
+        elif any(self._may_draft(r) for r in requests):
+            self.stats.num_idle_steps += 1
+        seconds = time.perf_counter() - start
+        self.seconds += seconds
+        if target_step.is_generation:
+            self.adaptive.observe_target(target_step.num_rows, target_step.seconds)
+        if windows:
+            self.stats.num_draft_steps += 1
+            self.adaptive.observe_draft(sum(w.num_context + w.num_block_rows for w in windows), seconds)
+        return candidates
 
     # ---- the ledger --------------------------------------------------------------------------
 
-    def start(self, request: Request, first_position: int) -> None:
+    def _observe(self, target_step: TargetStep) -> None:
+        for _, request in target_step.scheduled:
+            verdict = target_step.verdicts.get(request.req_id) if request is not None else None
+            if verdict is not None and verdict.num_drafted:
+                schedule = self.schedules[request.sampling_params.num_assistant_tokens_schedule]
+                schedule.observe_verification(request.req_id, verdict.num_drafted, verdict.num_accepted)
+
+    def _ingest(self, target_step: TargetStep) -> None:
+        """Hand each request's newly committed target hidden rows to its ledger."""
+        first_row = 0
+        for scheduled, request in target_step.scheduled:
+            rows = slice(first_row, first_row + scheduled.num_new_tokens)
+            first_row += scheduled.num_new_tokens
+            if request is None or request.is_finished or not drafts(request):
+                continue
+            start = scheduled.num_computed_tokens_before
+            if request.req_id not in self._states:
+                self._start(request, start)
+            num_committed = request.num_computed_tokens - start  # rows of rejected candidates excluded
+            self._append(request, start, target_step.hidden_states[rows][:num_committed])
+
+    def _start(self, request: Request, first_position: int) -> None:
         """Track a request whose first target rows start at `first_position` (> 0 after a prefix hit)."""
         state = self._states[request.req_id] = DraftState()
         if first_position > 0 and not self._restore_prefix(request, state, first_position):
             self._disable(request, "the draft's prefix cache does not hold the target's cached prompt prefix")
 
-    def ingest(self, request: Request, first_position: int, rows: np.ndarray) -> None:
+    def _append(self, request: Request, first_position: int, rows: np.ndarray) -> None:
         """Committed target hidden rows for positions [first_position, first_position + len(rows))."""
-        state = self._states.get(request.req_id)
-        if state is None or not state.enabled:
+        state = self._states[request.req_id]
+        if not state.enabled:
             return
         skip = state.next_position - first_position  # rows the ledger already has (a recompute)
         if skip < 0:
@@ -104,80 +190,50 @@ class DFlashProposer:
             state.pending.append(rows[skip:])
             state.num_pending += len(rows) - skip
 
-    def forget(self, request: Request) -> None:
-        """The request finished or was preempted: its draft blocks go back, its ledger is dropped."""
-        self._states.pop(request.req_id, None)
-        self.kv_cache_manager.free(request)
-
-    def is_tracked(self, req_id: str) -> bool:
-        return req_id in self._states
-
     # ---- one draft step -------------------------------------------------------------------------
 
-    def propose(self, requests: Iterable[Request]) -> dict[str, list[int]]:
-        """Run every request's window in one inference; candidates per request that drafted."""
-        windows = [w for w in (self._plan(r) for r in requests) if w is not None]
-        self.last_inference = (0, 0.0)
-        if not windows:
-            return {}
-        inputs = self._pack(windows)
-        start = time.perf_counter()
-        logits = self.runner.run(inputs)
-        self.last_inference = (len(inputs.token_ids), time.perf_counter() - start)
-        drafting, row = [], 0
-        for window in windows:
-            window.state.num_consumed += window.num_context
-            window.state.pending, window.state.num_pending = [], 0
-            self._publish_prompt_blocks(window.request, window.state)
-            if window.num_candidates:
-                drafting.append((window.request, logits[row : row + window.num_candidates]))
-                row += window.num_candidates
-        return self._select(drafting)
-
-    def _select(self, drafting: list[tuple[Request, np.ndarray]]) -> dict[str, list[int]]:
-        """Each request's candidates from its candidate rows' logits [k, vocab]."""
-        if self.markov is None:
-            return {request.req_id: [int(t) for t in logits.argmax(axis=-1)] for request, logits in drafting}
-        # The token before the first candidate row is the seed/anchor: the newest committed token.
-        picked = self.markov.select_candidates(
-            [logits for _, logits in drafting], [request.all_token_ids[-1] for request, _ in drafting], self.markov_top_k
+    def _may_draft(self, request: Request) -> bool:
+        """Tracked, its ledger caught up with the committed tokens, room for a candidate."""
+        state = self._states.get(request.req_id)
+        return (
+            state is not None
+            and state.enabled
+            and state.next_position == request.num_tokens - 1
+            and request.num_computed_tokens == request.num_tokens - 1
+            and request.sampling_params.max_new_tokens - request.num_output_tokens > 1
         )
-        return {request.req_id: tokens for (request, _), tokens in zip(drafting, picked)}
 
-    def block_size(self, request: Request) -> int:
-        """Mask rows of the request's draft block: num_assistant_tokens (default: all a block yields),
-        capped by the block. 0 for requests that do not draft (sampling, num_assistant_tokens=0)."""
-        params = request.sampling_params
-        if not params.is_greedy:
-            return 0  # acceptance compares with the target's greedy tokens
-        wanted = params.num_assistant_tokens
-        wanted = self.spec.max_candidates if wanted is None else min(wanted, self.spec.max_candidates)
-        if params.num_assistant_tokens_schedule == "adaptive" and wanted:
-            return self.adaptive.block_size(wanted)
-        if params.num_assistant_tokens_schedule == "heuristic" and wanted:
-            state = self._states.get(request.req_id)
-            if state is not None and state.num_assistant_tokens is not None:
-                return state.num_assistant_tokens
-        return wanted
+    def _cap(self, request: Request) -> int:
+        wanted = request.sampling_params.num_assistant_tokens
+        return self.spec.max_candidates if wanted is None else min(wanted, self.spec.max_candidates)
 
-    def observe(self, request: Request, num_drafted: int, num_accepted: int) -> None:
-        """After verification: acceptance for the "adaptive" schedule; the "heuristic" schedule grows
-        the block by 2 when every candidate was accepted and shrinks it by 1 (not below 1) otherwise,
-        within the draft's block."""
-        self.adaptive.observe_verification(num_drafted, num_accepted)
+    def _plan(self, requests: list[Request]) -> list[_Window]:
+        """Each schedule decides for its requests; windows for every request if the draft runs."""
+        by_schedule: dict[str, list[Candidate]] = {}
+        for request in requests:
+            if self._may_draft(request):
+                state = self._states[request.req_id]
+                name = request.sampling_params.num_assistant_tokens_schedule
+                by_schedule.setdefault(name, []).append(Candidate(request.req_id, self._cap(request), state.num_pending))
+        blocks: dict[str, int] = {}
+        for name in ("constant", "heuristic"):
+            blocks.update(self.schedules[name].plan(by_schedule.get(name, ())))
+        offset = self.spec.candidate_position_offset
+        others = sum(k + offset for k in blocks.values() if k)
+        blocks.update(self.adaptive.plan(by_schedule.get("adaptive", ()), num_generating=len(requests),
+                                         candidate_offset=offset, other_draft_rows=others))  # fmt: skip
+        self.stats.num_decisions += len(blocks)
+        self.stats.num_drafting += sum(1 for k in blocks.values() if k)
+        must_read = any(s.num_pending > self._max_pending_rows for s in self._states.values() if s.enabled)
+        if not any(blocks.values()) and not must_read:
+            return []  # nobody drafts: pending rows wait for the next draft step
+        windows = [w for w in (self._window(r, blocks.get(r.req_id, 0)) for r in requests) if w is not None]
+        return windows
+
+    def _window(self, request: Request, block: int) -> _Window | None:
         state = self._states.get(request.req_id)
-        if state is None or request.sampling_params.num_assistant_tokens_schedule != "heuristic":
-            return
-        current = self.block_size(request)
-        grown = current + 2 if num_accepted >= num_drafted else current - 1
-        state.num_assistant_tokens = max(1, min(grown, self.spec.max_candidates))
-
-    def _plan(self, request: Request) -> _Window | None:
-        state = self._states.get(request.req_id)
-        if state is None or not state.enabled or request.is_finished:
+        if state is None or not state.enabled:
             return None
-        caught_up = state.next_position == request.num_tokens - 1 and request.num_computed_tokens == request.num_tokens - 1
-        block = self.block_size(request) if caught_up else 0
         # Verified: only as many as leave room in max_new_tokens for the accepted ones plus the bonus.
         # The block keeps all its mask rows even so: they attend to each other, so a shorter block
         # would draft different candidates.
@@ -191,6 +247,29 @@ class DFlashProposer:
             self._disable(request, "the draft KV cache is full")
             return None
         return _Window(request, state, state.num_pending, num_candidates, num_block_rows)
+
+    def _run(self, windows: list[_Window]) -> Candidates:
+        """One packed inference over the windows; candidates of the requests that drafted."""
+        logits = self.runner.run(self._pack(windows))
+        drafting, row = [], 0
+        for window in windows:
+            window.state.num_consumed += window.num_context
+            window.state.pending, window.state.num_pending = [], 0
+            self._publish_prompt_blocks(window.request, window.state)
+            if window.num_candidates:
+                drafting.append((window.request, logits[row : row + window.num_candidates]))
+                row += window.num_candidates
+        return self._select(drafting)
+
+    def _select(self, drafting: list[tuple[Request, np.ndarray]]) -> Candidates:
+        """Each request's candidates from its candidate rows' logits [k, vocab]."""
+        if self.markov is None:
+            return {request.req_id: tuple(int(t) for t in logits.argmax(axis=-1)) for request, logits in drafting}
+        # The token before the first candidate row is the seed/anchor: the newest committed token.
+        picked = self.markov.select_candidates(
+            [logits for _, logits in drafting], [request.all_token_ids[-1] for request, _ in drafting], self.markov_top_k
+        )
+        return {request.req_id: tuple(tokens) for (request, _), tokens in zip(drafting, picked)}
 
     def _pack(self, windows: list[_Window]) -> DraftInputs:
         seqs, token_ids, token_types, hidden, candidate_rows = [], [], [], [], []
@@ -220,11 +299,6 @@ class DFlashProposer:
         )
 
     # ---- prefix caching -----------------------------------------------------------------------
-
-    def prefix_hit_tokens(self, request: Request) -> int:
-        """How much of the request's prompt the draft's cache holds (caps the target's prefix hit)."""
-        _, num_tokens = self.kv_cache_manager.get_computed_blocks(request)
-        return num_tokens
 
     def _restore_prefix(self, request: Request, state: DraftState, num_tokens: int) -> bool:
         block_size = self.kv_cache_manager.block_size

@@ -1,72 +1,120 @@
-"""The "adaptive" schedule's arithmetic (core/adaptive.py), on observations with a known answer."""
+"""The "adaptive" schedule's arithmetic (core/adaptive.py) on synthetic costs and acceptance with known answers."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
-from dflash.core.adaptive import AdaptiveBlockSize
+from dflash.core.adaptive import AcceptanceCounts, AdaptiveSchedule, Candidate, LinearCost
 
 
-def feed(policy: AdaptiveBlockSize, *, base: float, per_row: float, rows: list[int], tokens_per_step: int,
-         acceptance: list[float], steps: int = 100) -> None:  # fmt: skip
-    """Steps whose target time is base + per_row * rows (draft time: half of that), and verifications
-    whose position i is accepted in the share acceptance[i] of them."""
-    for i in range(len(rows) * 4):
-        n = rows[i % len(rows)]
-        seconds = base + per_row * n
-        policy.observe_step((n, seconds), (n, seconds / 2), tokens_per_step, 1.5 * seconds)
+def fitted(target: tuple[float, float], draft: tuple[float, float], *, min_steps: int = 4, **kwargs) -> AdaptiveSchedule:
+    """A schedule whose cost lines are fitted on exact observations: seconds = fixed + per_row * rows."""
+    schedule = AdaptiveSchedule(min_steps=min_steps, **kwargs)
+    for rows in (1, 4, 9, 16, 25, 36):
+        schedule.observe_target(rows, target[0] + target[1] * rows)
+        schedule.observe_draft(rows, draft[0] + draft[1] * rows)
+    return schedule
+
+
+def accept(schedule: AdaptiveSchedule, req_id: str, acceptance: list[float], steps: int = 200) -> None:
+    """Verifications of `req_id` whose position i is accepted in the share acceptance[i] of them, spread
+    evenly over the steps (one equidistributed u per step: positions with u < q are accepted)."""
     for step in range(steps):
-        accepted = sum(1 for q in acceptance if step < q * steps)  # position i accepted q_i * steps times
-        policy.observe_verification(len(acceptance), accepted)
+        u = (step * 0.6180339887) % 1.0
+        schedule.observe_verification(req_id, len(acceptance), sum(1 for q in acceptance if u < q))
 
 
-def test_without_a_cost_fit_it_explores_whole_half_and_single_blocks_step_by_step():
-    policy = AdaptiveBlockSize()
-    sizes = []
-    for _ in range(6):
-        sizes.append(policy.block_size(15))
-        assert policy.block_size(15) == sizes[-1]  # the same for every request of a step
-        policy.observe_step((16, 0.01), (17, 0.005), 2, 0.02)  # rows never vary: no fit
-    assert sizes == [15, 8, 1, 15, 8, 1]
-    policy.observe_verification(3, 1)
-    assert policy.block_size(7) in (1, 4, 7)  # acceptance but no cost yet
+def rate(ks: dict[str, int], q: dict[str, list[float]], target, draft, offset: int = 0) -> float:
+    """Expected tokens per second of a step drafting ks (the model the schedule optimizes)."""
+    n = len(ks)
+    tokens = n + sum(sum(q[r][:k]) for r, k in ks.items())
+    seconds = target[0] + target[1] * (n + sum(ks.values()))
+    draft_rows = sum(k + offset for k in ks.values() if k)
+    if draft_rows:
+        seconds += draft[0] + draft[1] * draft_rows
+    return tokens / seconds
 
 
-def test_rows_that_never_vary_cannot_be_fitted_but_an_earlier_fit_is_kept():
-    policy = AdaptiveBlockSize(min_steps=4, window=8)
-    feed(policy, base=0.01, per_row=0.001, rows=[8], tokens_per_step=8, acceptance=[0.5, 0.2])
-    assert policy.row_seconds() is None
-    feed(policy, base=0.01, per_row=0.001, rows=[4, 8], tokens_per_step=8, acceptance=[0.5, 0.2])
-    fitted = policy.row_seconds()
-    assert fitted == pytest.approx(0.0015)
-    feed(policy, base=0.01, per_row=0.001, rows=[8], tokens_per_step=8, acceptance=[0.5, 0.2])  # the window forgets
-    assert policy.row_seconds() == fitted
+def test_linear_cost_recovers_fixed_and_per_row_and_keeps_a_fit_when_rows_stop_varying():
+    cost = LinearCost(window=8, min_samples=4)
+    for rows in (2, 4, 8, 16):
+        cost.observe(rows, 0.003 + 0.0005 * rows)
+    assert cost.fit() == pytest.approx((0.003, 0.0005))
+    for _ in range(8):
+        cost.observe(5, 1.0)  # the window now holds rows that never vary: no new fit
+    assert cost.fit() == pytest.approx((0.003, 0.0005))
+    assert LinearCost(min_samples=4).fit() is None
 
 
-def test_the_fitted_row_cost_is_the_slope_of_both_models():
-    policy = AdaptiveBlockSize(min_steps=4)
-    feed(policy, base=0.01, per_row=0.002, rows=[8, 16, 32], tokens_per_step=8, acceptance=[0.5])
-    assert policy.row_seconds() == pytest.approx(0.002 + 0.001)
+def test_acceptance_counts_decay_extrapolate_and_never_increase_with_position():
+    counts = AcceptanceCounts(decay=0.5)
+    counts.observe(2, 2)
+    counts.observe(2, 0)  # the newest verification weighs twice the one before
+    assert counts.estimate(2) == pytest.approx([0.5 / 1.5, 0.5 / 1.5])
+    q = counts.estimate(4)
+    assert q[2] <= q[1] and q[3] <= q[2] and q[3] > 0  # unmeasured positions: extrapolated, non-increasing
+    counts = AcceptanceCounts(decay=1.0)
+    for accepted in (0, 3, 3, 3):
+        counts.observe(3, accepted)
+    assert counts.estimate(3, prior=[0.0, 0.0, 0.0], prior_weight=4.0) == pytest.approx([3 / 8] * 3)
 
 
-@pytest.mark.parametrize(
-    "per_row, tokens_per_step, expected",
-    [
-        (0.0, 1, 5),  # free rows: every measured position pays, and the next one is tried
-        (0.0001, 1, 5),  # b * R = 0.00015 * 1 / 0.017 s = 0.01: below every q
-        (0.001, 8, 2),  # b * R = 0.0015 * 8 / 0.029 s = 0.41: only q = 0.6 and 0.45 pay
-        (0.01, 8, 1),  # b * R = 0.77: nothing pays, one candidate still measures acceptance
-    ],
-)
-def test_the_block_ends_where_acceptance_stops_paying(per_row, tokens_per_step, expected):
-    policy = AdaptiveBlockSize(min_steps=4)
-    feed(policy, base=0.01, per_row=per_row, rows=[4, 8, 16], tokens_per_step=tokens_per_step,
-         acceptance=[0.6, 0.45, 0.2, 0.1])  # fmt: skip
-    assert policy.block_size(15) == expected
-    assert policy.block_size(1) == 1
+def test_without_fitted_costs_it_explores_whole_half_and_single_blocks():
+    schedule = AdaptiveSchedule()
+    sizes = [schedule.plan([Candidate("a", 15)], num_generating=1)["a"] for _ in range(6)]
+    assert sorted(sizes[:3]) == [1, 8, 15] and sizes[3:] == sizes[:3]
 
 
-def test_an_unmeasured_position_is_tried_when_all_measured_ones_pay():
-    policy = AdaptiveBlockSize(min_steps=4)
-    feed(policy, base=0.01, per_row=0.0, rows=[4, 8], tokens_per_step=1, acceptance=[0.9, 0.8])
-    assert policy.block_size(5) == 3
+def test_zero_when_the_draft_fixed_cost_exceeds_any_gain():
+    # Target: 10 ms + 0.1 ms a row; draft: 8 ms fixed. Acceptance 0.3 then 0.1: at best 1.4 tokens for
+    # about 18 ms instead of 1 token for 10 ms.
+    schedule = fitted(target=(0.010, 0.0001), draft=(0.008, 0.0001))
+    accept(schedule, "a", [0.3, 0.1, 0.0])
+    assert schedule.plan([Candidate("a", 3)], num_generating=1) == {"a": 0}
+    # The same acceptance with a cheap draft pays for one candidate: 1.3 tokens for ~11 ms.
+    cheap = fitted(target=(0.010, 0.0001), draft=(0.0005, 0.0001))
+    accept(cheap, "a", [0.3, 0.1, 0.0])
+    assert cheap.plan([Candidate("a", 3)], num_generating=1)["a"] >= 1
+
+
+def test_the_plan_is_the_best_choice_over_every_combination():
+    target, draft = (0.010, 0.0004), (0.003, 0.0002)
+    schedule = fitted(target, draft, prior_weight=0.0)
+    acceptance = {"a": [0.9, 0.8, 0.6, 0.3, 0.1], "b": [0.5, 0.2, 0.1, 0.0, 0.0], "c": [0.05, 0.0, 0.0, 0.0, 0.0]}
+    for req_id, q in acceptance.items():
+        accept(schedule, req_id, q)
+    q = {r: schedule.estimate(r, 5) for r in acceptance}
+    ks = schedule.plan([Candidate(r, 5) for r in acceptance], num_generating=3)
+    best = max(rate(dict(zip(acceptance, combo)), q, target, draft)
+               for combo in itertools.product(range(6), repeat=3))  # fmt: skip
+    assert rate(ks, q, target, draft) == pytest.approx(best)
+    assert ks["a"] > ks["b"] >= ks["c"] == 0
+
+
+def test_a_request_estimate_overrides_the_engine_wide_one():
+    schedule = fitted(target=(0.010, 0.002), draft=(0.002, 0.0001))
+    for step in range(200):  # interleaved: the engine-wide figure is 2/3 at every position
+        for req_id, accepted in (("good1", 3), ("good2", 3), ("bad", 0)):
+            schedule.observe_verification(req_id, 3, accepted)
+    assert schedule.engine_wide.estimate(3) == pytest.approx([2 / 3] * 3, abs=0.02)
+    ks = schedule.plan([Candidate("good1", 3), Candidate("bad", 3)], num_generating=2)
+    assert ks == {"good1": 3, "bad": 0}
+    # A new request has only the engine-wide prior, which pays here.
+    assert schedule.plan([Candidate("new", 3)], num_generating=1)["new"] >= 1
+
+
+def test_a_paused_request_is_probed_with_waits_that_double():
+    schedule = fitted(target=(0.010, 0.0001), draft=(0.008, 0.0001), probe_after=4, max_probe_after=16)
+    accept(schedule, "a", [0.0, 0.0])
+    probes = []
+    for step in range(100):
+        k = schedule.plan([Candidate("a", 6)], num_generating=1)["a"]
+        if k:
+            probes.append(step)
+            assert k == schedule.probe_candidates
+            schedule.observe_verification("a", k, 0)  # the probe fails
+    gaps = [b - a for a, b in itertools.pairwise(probes)]
+    assert probes[0] < 4  # the first probe within probe_after steps
+    assert gaps == sorted(gaps) and gaps[0] >= 8 and gaps[-3:] == [16, 16, 16]  # waits double, up to the cap

@@ -66,7 +66,9 @@ def run_cli(pair, prompts_file, tmp_path, *extra: str):
 @pytest.fixture(scope="module")
 def sweep(pair, prompts_file, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("sweep")
-    result, data = run_cli(pair, prompts_file, workdir, "--concurrency", "1,2", "--plot", str(workdir / "bench.png"))
+    # The constant schedule: its counters are deterministic (adaptive decisions follow measured timings).
+    result, data = run_cli(pair, prompts_file, workdir, "--concurrency", "1,2", "--plot", str(workdir / "bench.png"),
+                           "--num-assistant-tokens-schedule", "constant")  # fmt: skip
     return result, data, workdir / "bench.png"
 
 
@@ -92,7 +94,7 @@ def test_json_schema(sweep):
     assert options["engine_config"]["ov_config"] == F32
     assert len(data["prompts"]) == 3 and all(PROMPTS[i] in p for i, p in enumerate(data["prompts"]))
     names = [s["name"] for s in data["settings"]]
-    assert names == ["baseline c=1", "baseline c=2", "spec c=1 k=auto", "spec c=2 k=auto"]
+    assert names == ["baseline c=1", "baseline c=2", "spec c=1 k=auto constant", "spec c=2 k=auto constant"]
     for s in data["settings"]:
         assert s["num_requests"] == 3 and s["num_generated_tokens"] == 3 * NEW_TOKENS
         assert s["wall_s"] > 0 and s["tokens_per_s"] == pytest.approx(s["num_generated_tokens"] / s["wall_s"])
@@ -120,7 +122,7 @@ def test_figures_agree_with_a_direct_engine_run(sweep, pair):
     _, data, _ = sweep
     target, draft = pair
     engine = LLMEngine(target, EngineConfig(ov_config=F32), draft_dir=draft)
-    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True, num_assistant_tokens_schedule="constant")
     before = SpecDecodingStats()
     before.merge(engine.spec_stats)
     direct = SpecDecodingStats()
@@ -137,16 +139,18 @@ def test_figures_agree_with_a_direct_engine_run(sweep, pair):
 
 
 def test_a_planted_mismatch_fails_with_the_prompt(pair, prompts_file, tmp_path, monkeypatch):
-    accept = LLMEngine._accept
+    verify = LLMEngine._verify
 
-    def corrupt(self, request, target_tokens):
-        tokens = accept(self, request, target_tokens)
-        if request.prompt_token_ids and "fox" in self.tokenizer.decode(request.prompt_token_ids):
-            tokens[-1] = (tokens[-1] + 1) % 500  # a wrong bonus token for one prompt
-        return tokens
+    def corrupt(self, scheduled, logits):
+        verdicts = verify(self, scheduled, logits)
+        for s, request in scheduled:
+            verdict = verdicts.get(s.req_id)
+            if verdict is not None and verdict.num_drafted and "fox" in self.tokenizer.decode(request.prompt_token_ids):
+                verdict.tokens[-1] = (verdict.tokens[-1] + 1) % 500  # a wrong bonus token for one prompt
+        return verdicts
 
-    monkeypatch.setattr(LLMEngine, "_accept", corrupt)  # only the draft engine verifies candidates
-    result, data = run_cli(pair, prompts_file, tmp_path, "--concurrency", "1")
+    monkeypatch.setattr(LLMEngine, "_verify", corrupt)  # only the draft engine verifies candidates
+    result, data = run_cli(pair, prompts_file, tmp_path, "--concurrency", "1", "--num-assistant-tokens-schedule", "constant")
     assert result.exit_code == 1, result.output
     assert "differ from the baseline" in result.output and "The quick brown fox" in result.output
     agreement = data["settings"][1]["agreement"]
@@ -200,14 +204,19 @@ def test_min_accepted_length_above_a_random_draft_fails(pair, prompts_file, tmp_
 
 
 def test_schedules_are_swept(pair, prompts_file, tmp_path):
-    result, data = run_cli(pair, prompts_file, tmp_path, "--concurrency", "1", "--num-assistant-tokens-schedule", "constant,heuristic")
+    result, data = run_cli(pair, prompts_file, tmp_path, "--concurrency", "1", "--num-assistant-tokens-schedule",
+                           "constant,heuristic,adaptive")  # fmt: skip
     assert result.exit_code == 0, result.output
     speculative = [s for s in data["settings"] if s["kind"] == "speculative"]
     assert [(s["name"], s["num_assistant_tokens_schedule"]) for s in speculative] == [
-        ("spec c=1 k=auto", "constant"),
+        ("spec c=1 k=auto constant", "constant"),
         ("spec c=1 k=auto heuristic", "heuristic"),
+        ("spec c=1 k=auto", "adaptive"),  # the default schedule goes unnamed
     ]
-    assert data["options"]["num_assistant_tokens_schedules"] == ["constant", "heuristic"]
+    assert data["options"]["num_assistant_tokens_schedules"] == ["constant", "heuristic", "adaptive"]
+    # The constant and heuristic schedules draft at every step; the adaptive one only where it pays.
+    assert [s["drafting_share"] for s in speculative[:2]] == [1.0, 1.0]
+    assert 0 <= speculative[2]["drafting_share"] <= 1
 
 
 def test_bad_schedule_is_a_usage_error(pair, prompts_file):

@@ -62,7 +62,7 @@ PROMPTS = [
     "The quick brown fox jumps over the lazy dog. OpenVINO runs models on Intel CPUs.",
     " ".join(_CORPUS[:4]),
 ]
-GREEDY = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+GREEDY = SamplingParams(num_assistant_tokens_schedule="constant", max_new_tokens=NEW_TOKENS, ignore_eos=True)
 
 
 # ---- fixtures ------------------------------------------------------------------------------------
@@ -303,7 +303,7 @@ def make_engine(pair: Pair, **overrides) -> LLMEngine:
 
 def assert_pools_full(engine: LLMEngine) -> None:
     assert not engine.has_unfinished_requests()
-    for pool in (engine.block_pool, engine.proposer.kv_cache_manager.pool):
+    for pool in (engine.block_pool, engine.drafter.kv_cache_manager.pool):
         assert pool.num_used_blocks == 0
         pool.assert_all_free()
 
@@ -339,8 +339,8 @@ def mode_engine(request, random_pair) -> LLMEngine:
 
 
 def test_greedy_output_is_the_targets_with_every_mode(random_pair, mode_engine):
-    assert mode_engine.proposer.markov is not None
-    head_seconds = mode_engine.proposer.markov.seconds
+    assert mode_engine.drafter.markov is not None
+    head_seconds = mode_engine.drafter.markov.seconds
     draft_seconds = mode_engine.times.draft_s
     results = run(mode_engine, PROMPTS)
     assert [r.token_ids for r in results] == random_pair.reference
@@ -348,10 +348,10 @@ def test_greedy_output_is_the_targets_with_every_mode(random_pair, mode_engine):
     drafted = sum(r.spec.num_draft_tokens for r in results)
     accepted = sum(r.spec.num_accepted_tokens for r in results)
     assert drafted > 0
-    if mode_engine.proposer.markov_top_k == 0:
+    if mode_engine.drafter.markov_top_k == 0:
         assert 0 < accepted < drafted  # the bigram head's walk: some candidates accepted, some not
     # The head ran inside the draft step, so the draft's time includes it.
-    head_delta = mode_engine.proposer.markov.seconds - head_seconds
+    head_delta = mode_engine.drafter.markov.seconds - head_seconds
     assert 0 < head_delta <= mode_engine.times.draft_s - draft_seconds
 
 
@@ -389,7 +389,7 @@ def test_preemption_keeps_the_targets_tokens(random_pair, top_k):
 
 def test_head_can_be_ignored(random_pair):
     engine = make_engine(random_pair, use_markov_head=False)
-    assert engine.proposer.markov is None
+    assert engine.drafter.markov is None
     assert [r.token_ids for r in run(engine, PROMPTS)] == random_pair.reference
 
 

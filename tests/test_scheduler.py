@@ -269,7 +269,7 @@ def test_spec_rows_are_scheduled_and_rejected_candidates_roll_back():
     assert a.token_ids_with_spec(4, 8) == [50, 51, 52, 53]
     assert table(scheduler, "a") == [0, 1]
     scheduler.update_from_output(out, {"a": [51, 60]}, {"a": 2})  # c1 accepted, bonus 60
-    assert a.output_token_ids == [50, 51, 60] and a.spec_token_ids == []
+    assert a.output_token_ids == [50, 51, 60] and a.spec_token_ids == ()
     assert (a.num_tokens, a.num_computed_tokens) == (7, 6)
     assert table(scheduler, "a") == [0, 1]  # the rejected slot (position 7) is reused next step
     assert pool.num_cached_blocks == 1  # only the full block of committed, computed tokens
@@ -297,7 +297,7 @@ def test_candidates_are_trimmed_to_the_budget_and_to_max_new_tokens():
     a.spec_token_ids = [5, 6, 7, 8]
     out = scheduler.schedule()
     assert rows(out) == [("a", 3)] and out.scheduled[0].num_spec_tokens == 2
-    assert a.spec_token_ids == [5, 6]
+    assert a.spec_token_ids == [5, 6, 7, 8]  # the candidates are a value: the step says how many run
 
     scheduler, _ = make_scheduler(budget=16)
     scheduler.add_request(make_request("b", 2, max_new_tokens=3))
@@ -305,7 +305,7 @@ def test_candidates_are_trimmed_to_the_budget_and_to_max_new_tokens():
     b = scheduler.get_request("b")
     b.spec_token_ids = [5, 6, 7, 8]  # 1 output of 3: at most 1 candidate + bonus can still commit
     out = scheduler.schedule()
-    assert rows(out) == [("b", 2)] and b.spec_token_ids == [5]
+    assert rows(out) == [("b", 2)] and out.scheduled[0].num_spec_tokens == 1
 
 
 def test_tokens_cut_at_a_stop_keep_the_ledger_consistent():
@@ -398,7 +398,7 @@ def accept(candidates: list[int], predictions: list[int]) -> list[int]:
     accepted = 0
     while accepted < len(candidates) and candidates[accepted] == predictions[accepted]:
         accepted += 1
-    return candidates[:accepted] + [predictions[accepted]]
+    return list(candidates[:accepted]) + [predictions[accepted]]
 
 
 def propose(request: Request, rng: random.Random) -> list[int]:
@@ -424,7 +424,7 @@ def run_engine(scheduler: Scheduler, arrivals: dict[int, list[Request]], seed: i
         new_tokens, num_rejected = {}, {}
         for s in out.scheduled:
             if s.samples:
-                candidates = scheduler.get_request(s.req_id).spec_token_ids
+                candidates = scheduler.get_request(s.req_id).spec_token_ids[: s.num_spec_tokens]
                 accepted = accept(candidates, predictions[s.req_id])
                 # the stop rule cuts after EOS; num_rejected still counts only real rejections
                 new_tokens[s.req_id] = cut_at_eos(accepted)

@@ -71,7 +71,7 @@ TEXTS = [
 ]
 LONG = TEXTS[-1]
 SIXTEEN = [TEXTS[i % len(TEXTS)] for i in range(14)] + [_CORPUS[1], _CORPUS[6]]
-GREEDY = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+GREEDY = SamplingParams(num_assistant_tokens_schedule="constant", max_new_tokens=NEW_TOKENS, ignore_eos=True)
 MAX_STEPS = 2000
 
 
@@ -187,26 +187,27 @@ class CandidateLog:
     The block size (mask rows) decides the candidates; near max_new_tokens only the first of them are
     verified, so two proposals under one key agree on their common prefix.
 
-    A spy around DFlashProposer.propose: the real inference runs, its result is recorded.
+    A spy around DFlashDrafter._run: the real inference runs, its result is recorded.
     """
 
     def __init__(self, engine: LLMEngine):
         self.entries: dict[tuple, list[int]] = {}
-        propose = engine.proposer.propose
+        drafter = engine.drafter
+        run = drafter._run
+        offset = drafter.spec.candidate_position_offset
 
-        def recording_propose(requests):
-            requests = list(requests)
-            candidates = propose(requests)
-            for request in requests:
+        def recording_run(windows):
+            candidates = run(windows)
+            for window in windows:
+                request = window.request
                 if request.req_id in candidates:
-                    # A copy: the scheduler trims the request's candidate list in place.
                     tokens = list(candidates[request.req_id])
-                    key = (tuple(request.prompt_token_ids), request.num_tokens, engine.proposer.block_size(request))
+                    key = (tuple(request.prompt_token_ids), request.num_tokens, window.num_block_rows - offset)
                     if len(tokens) > len(self.entries.get(key, ())):
                         self.entries[key] = tokens
             return candidates
 
-        engine.proposer.propose = recording_propose
+        drafter._run = recording_run
 
 
 @dataclass
@@ -296,10 +297,10 @@ def assert_pools_full(engine: LLMEngine) -> None:
     assert not engine.has_unfinished_requests()
     assert engine.block_pool.num_used_blocks == 0
     engine.block_pool.assert_all_free()
-    if engine.proposer is not None:
-        assert engine.proposer.kv_cache_manager.pool.num_used_blocks == 0
-        engine.proposer.kv_cache_manager.pool.assert_all_free()
-        assert not engine.proposer._states, "the draft still tracks finished requests"
+    if engine.has_draft:
+        assert engine.drafter.kv_cache_manager.pool.num_used_blocks == 0
+        engine.drafter.kv_cache_manager.pool.assert_all_free()
+        assert not engine.drafter._states, "the draft still tracks finished requests"
 
 
 def reference(engines: Engines, target: str, prompts: Sequence, params) -> list[list[int]]:
@@ -453,7 +454,7 @@ def test_heuristic_schedule_follows_acceptance(models, engines, draft, regime, a
     run = run_all(engine, prompts, params)
     assert [r.token_ids for r in run.results] == [chain_of(models.succ, p[-1], NEW_TOKENS) for p in prompts]
     check_metrics(run)
-    expected = simulate_heuristic(NEW_TOKENS, engine.proposer.spec.max_candidates, 2, accept)
+    expected = simulate_heuristic(NEW_TOKENS, engine.drafter.spec.max_candidates, 2, accept)
     for result in run.results:
         assert result.spec.to_json() == expected.to_json()
     assert_pools_full(engine)
@@ -461,7 +462,7 @@ def test_heuristic_schedule_follows_acceptance(models, engines, draft, regime, a
 
 @pytest.mark.parametrize("draft", ["dspark_ctx", "dflash_ctx"])
 def test_adaptive_schedule_is_lossless_and_stays_in_the_block(engines, mixed_reference, draft):
-    """The adaptive schedule changes how many candidates each step drafts (1 up to the request's
+    """The adaptive schedule changes how many candidates each step drafts (0 up to the request's
     num_assistant_tokens), never the tokens; 16 requests at once give it steps of many row counts."""
     engine = engines.get("mixed", draft)
     texts = list(mixed_reference)[:16]
@@ -469,11 +470,70 @@ def test_adaptive_schedule_is_lossless_and_stays_in_the_block(engines, mixed_ref
     run = run_all(engine, texts, params)
     assert [r.token_ids for r in run.results] == [mixed_reference[t] for t in texts]
     check_metrics(run)
-    max_k = engine.proposer.spec.max_candidates
-    assert all(1 <= len(r.spec.drafted_per_position) <= max_k for r in run.results)
-    assert engine.proposer.adaptive.row_seconds() is not None  # enough varied steps to fit a cost
-    assert 1 <= engine.proposer.adaptive.block_size(max_k) <= max_k
+    max_k = engine.drafter.spec.max_candidates
+    assert all(len(r.spec.drafted_per_position) <= max_k for r in run.results)
+    adaptive = engine.drafter.adaptive
+    assert adaptive.target_cost.fit() is not None and adaptive.draft_cost.fit() is not None  # varied steps
+    assert engine.drafter.stats.num_decisions > 0
     assert_pools_full(engine)
+
+
+class PausingSchedule:
+    """The constant schedule, switched off on the steps where `on(step)` is false."""
+
+    def __init__(self, on: Callable[[int], bool]):
+        self.on, self.step = on, 0
+
+    def plan(self, candidates, **_) -> dict[str, int]:
+        self.step += 1
+        return {c.req_id: c.cap if self.on(self.step) else 0 for c in candidates}
+
+    def observe_verification(self, req_id: str, num_drafted: int, num_accepted: int) -> None:
+        pass
+
+    def forget(self, req_id: str) -> None:
+        pass
+
+
+@pytest.mark.parametrize("draft", ["dspark_ctx", "dflash_ctx"])
+def test_drafting_paused_and_resumed_mid_request_is_lossless_and_catches_up(engines, mixed_reference, baseline, draft):
+    """Drafting off for three steps, on for three, and so on: the target alone runs while it is off,
+    the committed rows wait in the ledger, and the first draft step after a pause reads them all in
+    one pass. Outputs equal the target alone, and the candidates after a catch-up equal those of a
+    draft that never paused (same committed tokens, same block: the draft's KV is the same)."""
+    engine = engines.get("mixed", draft)
+    log = engines.log(engine)
+    log.entries.clear()
+    drafter = engine.drafter
+    constant = drafter.schedules["constant"]
+    drafter.schedules["constant"] = PausingSchedule(lambda step: (step // 3) % 2 == 1)
+    idle_before = drafter.stats.num_idle_steps
+    try:
+        run = run_all(engine, SIXTEEN[:8])
+    finally:
+        drafter.schedules["constant"] = constant
+    assert [r.token_ids for r in run.results] == [mixed_reference[t] for t in SIXTEEN[:8]]
+    check_metrics(run)
+    assert drafter.stats.num_idle_steps > idle_before and run.spec_delta.num_drafts > 0
+    check_same_candidates(log.entries, baseline[draft], min_overlap=5)
+
+
+@pytest.mark.parametrize("draft", ["dspark_zero", "dflash_zero"])
+def test_adaptive_schedule_stops_drafting_where_nothing_is_accepted(models, engines, draft):
+    """On the chain target's cycle prompts the DFlash zero draft accepts nothing: the adaptive
+    schedule turns drafting off (steps without a draft inference) and output stays the target's."""
+    cycle, _ = chain_prompts(models.succ)
+    engine = engines.get("chain", draft, max_num_batched_tokens=64)
+    params = SamplingParams(max_new_tokens=64, ignore_eos=True, num_assistant_tokens_schedule="adaptive")
+    prompts = cycle * 2
+    run = run_all(engine, prompts, params)
+    assert [r.token_ids for r in run.results] == [chain_of(models.succ, p[-1], 64) for p in prompts]
+    check_metrics(run)
+    stats = engine.drafter.stats
+    if draft == "dflash_zero":
+        assert stats.num_idle_steps > 0 and stats.drafting_share < 0.5
+    else:  # the DSpark zero draft accepts its first candidate every step: drafting pays
+        assert run.spec_delta.mean_accepted_length > 1.5
 
 
 @pytest.mark.parametrize("draft", ["dspark_zero", "dflash_zero"])
@@ -481,7 +541,7 @@ def test_max_new_tokens_ends_inside_a_block(models, engines, draft):
     """Full acceptance: max_new_tokens that no whole number of blocks reaches is still met exactly."""
     _, constant = chain_prompts(models.succ)
     engine = engines.get("chain", draft)
-    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in range(1, 12)]
+    params = [SamplingParams(num_assistant_tokens_schedule="constant", max_new_tokens=n, ignore_eos=True) for n in range(1, 12)]
     prompts = [constant[i % len(constant)] for i in range(len(params))]
     run = run_all(engine, prompts, params)
     for result, sp in zip(run.results, params):
@@ -499,7 +559,7 @@ def test_stop_token_inside_the_candidates(models, engines, stop_index):
     prompt = cycle[1]
     expected = chain_of(models.succ, prompt[-1], NEW_TOKENS)
     stop = expected[stop_index]
-    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True, stop_token_ids=[stop])
+    params = SamplingParams(num_assistant_tokens_schedule="constant", max_new_tokens=NEW_TOKENS, ignore_eos=True, stop_token_ids=[stop])
     assert reference(engines, "chain", [prompt], params) == [expected[: stop_index + 1]]
     engine = engines.get("chain", "dspark_zero")
     run = run_all(engine, [prompt], params)
@@ -522,7 +582,7 @@ def test_stop_string_inside_the_candidates(models, engines):
             before = engine.tokenizer.decode(expected[:index])
             if not (piece.isascii() and piece.strip() and len(piece) >= 2 and piece not in before):
                 continue
-            params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True, stop_strings=[piece])
+            params = SamplingParams(num_assistant_tokens_schedule="constant", max_new_tokens=NEW_TOKENS, ignore_eos=True, stop_strings=[piece])
             ref = reference(engines, "chain", [prompt], params)[0]
             assert len(ref) == index + 1  # the target alone stops at the token completing it
             run = run_all(engine, [prompt], params)
@@ -542,7 +602,7 @@ def test_eos_accepted_as_a_candidate_ends_the_request(models, engines, draft):
     pred = {y: x for x, y in models.succ.items() if x not in (0, 1, MASK, A)}
     last = pred[pred[pred[pred[EOS]]]]
     prompt = chain_prompts(models.succ)[0][2] + [last]
-    params = SamplingParams(max_new_tokens=NEW_TOKENS)
+    params = SamplingParams(num_assistant_tokens_schedule="constant", max_new_tokens=NEW_TOKENS)
     expected = chain_of(models.succ, last, 4)
     assert expected[-1] == EOS and reference(engines, "chain", [prompt], params) == [expected]
     run = run_all(engines.get("chain", draft), [prompt], params)
@@ -560,7 +620,7 @@ def test_abort_while_drafting_returns_every_block(models, engines):
     ids = [engine.add_request(p, GREEDY) for p in cycle + constant]
     for _ in range(3):
         engine.step()
-    assert engine.proposer.kv_cache_manager.pool.num_used_blocks > 0
+    assert engine.drafter.kv_cache_manager.pool.num_used_blocks > 0
     assert engine.abort_request(ids[1]) and engine.abort_request(ids[-1])
     engine.run_until_done()
     results = [engine.result(i) for i in ids]
@@ -627,10 +687,10 @@ def test_block_keeps_its_mask_rows_near_max_new_tokens(engines, mixed_reference,
     engine = engines.get("mixed", draft)
     log = engines.log(engine)
     log.entries.clear()
-    max_k = engine.proposer.spec.max_candidates
+    max_k = engine.drafter.spec.max_candidates
     texts = list(mixed_reference)[:6]
     for n in range(2, max_k + 2):
-        params = SamplingParams(max_new_tokens=n, ignore_eos=True)
+        params = SamplingParams(num_assistant_tokens_schedule="constant", max_new_tokens=n, ignore_eos=True)
         run = run_all(engine, texts, params)
         assert [r.token_ids for r in run.results] == [mixed_reference[t][:n] for t in texts]
     short = {key: tokens for key, tokens in log.entries.items() if len(tokens) < key[2]}
@@ -671,13 +731,13 @@ def test_staggered_arrivals_with_mixed_num_assistant_tokens(engines, mixed_refer
     log = engines.log(engine)
     log.entries.clear()
     choices = [None, 0, 1, 2, 3, None, 8, 0]
-    arrivals = [(2 * i, text, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True,
+    arrivals = [(2 * i, text, SamplingParams(num_assistant_tokens_schedule="constant", max_new_tokens=NEW_TOKENS, ignore_eos=True,
                                              num_assistant_tokens=choices[i % len(choices)]))  # fmt: skip
                 for i, text in enumerate(SIXTEEN[:12])]  # fmt: skip
     run = drive(engine, arrivals)
     assert [r.token_ids for r in run.results] == [mixed_reference[a[1]] for a in arrivals]
     check_metrics(run)
-    max_k = engine.proposer.spec.max_candidates
+    max_k = engine.drafter.spec.max_candidates
     for (_, _, params), result in zip(arrivals, run.results):
         wanted = params.num_assistant_tokens
         if wanted == 0:
@@ -694,19 +754,19 @@ def test_prefix_cache_hits_on_both_pipelines(engines, mixed_reference, baseline,
     engine = engines.get("mixed", draft)
     log = engines.log(engine)
     block_size = engine.block_pool.block_size
-    assert engine.proposer.kv_cache_manager.block_size == block_size
+    assert engine.drafter.kv_cache_manager.block_size == block_size
     prompt_len = len(ids_of(engine, [LONG])[0])
     expected_hit = (prompt_len - 1) // block_size * block_size
     assert expected_hit >= 2 * block_size
     first = run_all(engine, [LONG])
     log.entries.clear()
-    restored_before = engine.proposer.num_restored_tokens
+    restored_before = engine.drafter.num_restored_tokens
     # The same prompt again, and the same prompt followed by other text, side by side.
     other = LONG + " And more."
     second = run_all(engine, [LONG, other])
     assert second.requests[0].num_prefix_cached_tokens == expected_hit
     assert second.requests[1].num_prefix_cached_tokens == expected_hit
-    assert engine.proposer.num_restored_tokens - restored_before == 2 * expected_hit
+    assert engine.drafter.num_restored_tokens - restored_before == 2 * expected_hit
     assert second.results[0].token_ids == first.results[0].token_ids == mixed_reference[LONG]
     assert second.results[1].token_ids == reference(engines, "mixed", [other], GREEDY)[0]
     check_metrics(second)
@@ -740,7 +800,7 @@ def test_request_id_reuse(engines, mixed_reference):
         check_metrics(run)
     # Reused right after its result is collected, while another request is still running.
     engine.add_request(LONG, GREEDY, req_id="other")
-    engine.add_request(TEXTS[0], SamplingParams(max_new_tokens=3, ignore_eos=True), req_id="again")
+    engine.add_request(TEXTS[0], SamplingParams(num_assistant_tokens_schedule="constant", max_new_tokens=3, ignore_eos=True), req_id="again")
     outputs: list[RequestOutput] = []
     while not any(o.req_id == "again" and o.finished for o in outputs):
         outputs += engine.step()
@@ -838,13 +898,13 @@ def test_acceptance_equals_openvino_genai_dflash(models, engines, tmp_path, targ
     checkpoint = models.drafts[draft].parent / f"hf-{draft}"
     stateful = export_genai_stateful_draft(checkpoint, tmp_path / "stateful", compress_to_fp16=False)
     engine = engines.get(target, draft)
-    k = engine.proposer.spec.max_candidates
+    k = engine.drafter.spec.max_candidates
     if target == "chain":
         cycle, constant = chain_prompts(models.succ)
         prompts = cycle[:3] + constant[:3]
     else:
         prompts = ids_of(engine, TEXTS[:6])
-    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True, num_assistant_tokens=k)
+    params = SamplingParams(num_assistant_tokens_schedule="constant", max_new_tokens=NEW_TOKENS, ignore_eos=True, num_assistant_tokens=k)
     ours = [run_all(engine, [p], params).results[0] for p in prompts]
     expected = reference(engines, target, prompts, GREEDY)
 

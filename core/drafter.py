@@ -1,0 +1,65 @@
+"""The seam between the engine and a draft: what a drafter gets from a target step, what it returns.
+
+The engine calls a drafter at three points and nothing else:
+
+    limit = drafter.prefix_hit_limit(request)   admission: how much of a cached prompt prefix is usable
+    candidates = drafter.step(target_step)      after verification: read the committed rows, draft
+    drafter.forget(request)                     a request finished or was preempted
+
+`NoDrafter` is the target alone: no candidates, no cap, nothing to forget. `DFlashDrafter`
+(core/speculative.py) is the DFlash/DSpark draft on PagedAttention.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .metrics import DraftingStats
+from .request import Request
+from .scheduler import ScheduledRequest
+from .verification import Verdict
+
+
+@dataclass(frozen=True)
+class TargetStep:
+    """One target step as the draft sees it.
+
+    scheduled: what ran, in row order, each with its request (None if it ended meanwhile: aborted).
+    hidden_states: the target's hidden rows of every scheduled row, in the same order (None without a draft).
+    verdicts: per request that reached the end of its tokens, what was committed and accepted.
+    num_rows, seconds: the target's rows and the wall time of the step so far (host work included).
+    """
+
+    scheduled: Sequence[tuple[ScheduledRequest, Request | None]]
+    hidden_states: np.ndarray | None
+    verdicts: Mapping[str, Verdict]
+    num_rows: int
+    seconds: float
+
+    @property
+    def is_generation(self) -> bool:
+        """No prompt chunk in the step: its rows are seeds and candidates only."""
+        return not any(s.is_prefill_chunk for s, _ in self.scheduled)
+
+
+Candidates = dict[str, tuple[int, ...]]  # per request, the tokens the target verifies next step
+
+
+class NoDrafter:
+    """The target alone."""
+
+    warnings: list[str] = []
+    stats = DraftingStats()  # stays empty
+    seconds = 0.0
+
+    def prefix_hit_limit(self, request: Request) -> int | None:
+        return None
+
+    def step(self, target_step: TargetStep) -> Candidates:
+        return {}
+
+    def forget(self, request: Request) -> None:
+        pass
