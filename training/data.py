@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
@@ -35,6 +35,12 @@ class Example:
 
     input_ids: tuple[int, ...]
     prompt_len: int
+    group: str = field(default="", compare=False)  # what the hold-out keeps together: the prompt (or source file); "" = the prompt's ids
+    source: str = field(default="chat", compare=False)  # "chat": a prompt and the target's answer; "text": real text after a short lead-in
+
+    @property
+    def prompt_key(self) -> str:
+        return self.group or prompt_group(self.input_ids[: self.prompt_len])
 
     @property
     def response_len(self) -> int:
@@ -66,6 +72,13 @@ class GenerationStats:
             "tokens_per_second": round(self.tokens_per_second, 1),
             "stopped_early": self.stopped_early,
         }
+
+
+def prompt_group(prompt_ids: Sequence[int]) -> str:
+    """A stable key of a prompt's token ids: sequences with the same key share a prompt."""
+    import hashlib
+
+    return "p:" + hashlib.sha1(",".join(map(str, prompt_ids)).encode()).hexdigest()[:16]
 
 
 def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
@@ -105,14 +118,23 @@ def pad_token_id(target: Target) -> int:
 
 @torch.no_grad()
 def generate_responses(
-    target: Target, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int, *, check_every: int = 16
+    target: Target,
+    prompt_ids: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    check_every: int = 16,
+    temperature: float = 0.0,
+    ignore_eos: bool = False,
+    generator: torch.Generator | None = None,
 ) -> list[tuple[list[int], bool]]:
     """Greedy answers of one batch of left-padded prompts; returns (response, finished) per prompt.
 
     A plain decoding loop over the model's KV cache rather than `generate`: the same greedy tokens,
     but "is every row finished?" is asked only every `check_every` steps, so the host does not wait
     for the device at each step (a 135M model's decoding is launch-bound). A response is cut after
-    its first stop token (kept: the draft must learn to predict it too).
+    its first stop token (kept: the draft must learn to predict it too), unless `ignore_eos`: then
+    every response runs to `max_new_tokens`, as `dflash bench` decodes. `temperature` > 0 samples
+    (diverse answers to the same prompt; the trainer's labels stay the target's own argmax).
     """
     pad = pad_token_id(target)
     stops = torch.tensor(sorted(stop_token_ids(target)), device=target.device)
@@ -132,9 +154,16 @@ def generate_responses(
     finished = torch.zeros(len(prompt_ids), dtype=torch.bool, device=target.device)
     tokens = []
     for step in range(max_new_tokens):
-        token = out.logits[:, -1].argmax(-1).masked_fill(finished, pad)
+        logits = out.logits[:, -1]
+        if temperature > 0:
+            probs = (logits.float() / temperature).softmax(-1)
+            token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        else:
+            token = logits.argmax(-1)
+        token = token.masked_fill(finished, pad)
         tokens.append(token)
-        finished |= torch.isin(token, stops)
+        if not ignore_eos:
+            finished |= torch.isin(token, stops)
         if step == max_new_tokens - 1 or ((step + 1) % check_every == 0 and bool(finished.all())):
             break
         attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
@@ -147,7 +176,10 @@ def generate_responses(
     responses = []
     for row in torch.stack(tokens, dim=1).tolist():
         end = next((i for i, token in enumerate(row) if token in stop_set), None)
-        responses.append((row if end is None else row[: end + 1], end is not None))
+        if ignore_eos:
+            responses.append((row, end is not None))
+        else:
+            responses.append((row if end is None else row[: end + 1], end is not None))
     return responses
 
 
@@ -161,17 +193,25 @@ def generate_dataset(
     max_prompt_tokens: int = 512,
     time_limit_s: float | None = None,
     on_progress: ProgressCallback | None = None,
+    temperature: float = 0.0,
+    ignore_eos: bool = False,
+    seed: int = 0,
+    exclude: Callable[[Sequence[int]], bool] | None = None,
 ) -> GenerationStats:
     """Answer `prompts` greedily with the target and write the JSONL dataset to `out_file`.
 
     Prompts are batched by length (less padding); each batch is written as soon as it is done, so a
     time limit (checked between batches, from the last batch's duration) leaves a usable file.
-    Prompts longer than `max_prompt_tokens` are skipped.
+    Prompts longer than `max_prompt_tokens` are skipped, and so are prompts `exclude(ids)` rejects
+    (decontamination). Each record carries its prompt's group key (hold-out by prompt).
     """
     if not prompts:
         raise InputError("no prompts to generate training data from", hint="pass --generate-data N with N > 0")
+    generator = torch.Generator(device=target.device).manual_seed(seed) if temperature > 0 else None
     encoded = [(index, encode_prompt(target.tokenizer, prompt)) for index, prompt in enumerate(prompts)]
     encoded = [(index, ids) for index, ids in encoded if len(ids) <= max_prompt_tokens]
+    if exclude is not None:
+        encoded = [(index, ids) for index, ids in encoded if not exclude(ids)]
     encoded.sort(key=lambda item: len(item[1]), reverse=True)
 
     out_file = Path(out_file)
@@ -187,10 +227,12 @@ def generate_dataset(
                 break
             batch = encoded[first : first + batch_size]
             batch_start = time.monotonic()
-            responses = generate_responses(target, [ids for _, ids in batch], max_new_tokens)
+            responses = generate_responses(target, [ids for _, ids in batch], max_new_tokens, temperature=temperature,
+                                           ignore_eos=ignore_eos, generator=generator)
             last_batch_s = time.monotonic() - batch_start
             for (index, ids), (response, finished) in zip(batch, responses):
-                record = {"prompt_index": index, "prompt_len": len(ids), "input_ids": ids + response, "finished": finished}
+                record = {"prompt_index": index, "prompt_len": len(ids), "input_ids": ids + response, "finished": finished,
+                          "group": prompt_group(ids), "source": "chat"}
                 sink.write(json.dumps(record) + "\n")
                 stats.sequences += 1
                 stats.prompt_tokens += len(ids)
@@ -229,7 +271,8 @@ def read_dataset(path: str | Path, *, max_length: int | None = None, min_respons
         if max_length is not None:
             ids = ids[:max_length]
         if len(ids) - prompt_len >= min_response:
-            examples.append(Example(tuple(ids), prompt_len))
+            group = str(record.get("group") or prompt_group(ids[:prompt_len]))
+            examples.append(Example(tuple(ids), prompt_len, group, str(record.get("source", "chat"))))
     if not examples:
         raise InputError(
             f"{path} holds no sequence with a response of at least {min_response} tokens",
@@ -243,6 +286,7 @@ def write_dataset(path: str | Path, examples: Iterable[Example]) -> Path:
     path = Path(path)
     with path.open("w") as sink:
         for index, example in enumerate(examples):
-            record = {"prompt_index": index, "prompt_len": example.prompt_len, "input_ids": list(example.input_ids)}
+            record = {"prompt_index": index, "prompt_len": example.prompt_len, "input_ids": list(example.input_ids),
+                      "group": example.prompt_key, "source": example.source}
             sink.write(json.dumps(record) + "\n")
     return path

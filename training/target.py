@@ -99,6 +99,20 @@ def target_features(target: Target, input_ids: torch.Tensor, layer_ids: Sequence
     return torch.cat([hidden[layer + 1] for layer in layer_ids], dim=-1)
 
 
+@torch.no_grad()
+def target_forward(
+    target: Target, input_ids: torch.Tensor, layer_ids: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(features [N, T, k*H] as `target_features`, final hidden states [N, T, H] after the final norm).
+
+    The final hidden states through the frozen lm_head are the target's own next-token logits: the
+    teacher of distillation, computed from the same single pass.
+    """
+    outputs = target.model.base_model(input_ids=input_ids, output_hidden_states=True, use_cache=False)
+    hidden = outputs.hidden_states
+    return torch.cat([hidden[layer + 1] for layer in layer_ids], dim=-1), outputs.last_hidden_state
+
+
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """z-lab's rule (evenly spaced from layer 1 to N-3; the middle layer for a 1-layer draft), deduplicated.
 

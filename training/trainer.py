@@ -1,22 +1,33 @@
-"""Training a DFlash or DSpark draft against a frozen target (the DFlash recipe, paper §4.2 / §A.1).
+"""Training a DFlash or DSpark draft against a frozen target: distillation on the target's own predictions.
 
-One step, for a batch of N sequences (templated prompt + the target's greedy response):
+One step, for a batch of N sequences (a templated prompt and the target's answer, or a stretch of
+real text/code with a short lead-in):
 1. the target runs once over the batch; its hidden states at `target_layer_ids` (HF index L + 1),
-   concatenated, are the context features of every position;
-2. K anchors a are drawn per sequence inside the response; block i is [token a, mask x (B-1)] at
-   positions a .. a+B-1 and sees the context before a plus its own block (model.blocks_forward);
+   concatenated, are the context features of every position, and its logits at every position are
+   the teacher (what the target itself would say next);
+2. K anchors a are drawn per sequence after the lead-in (`prompt_len`); block i is [token a, mask x
+   (B-1)] at positions a .. a+B-1 and sees the context before a plus its own block
+   (model.blocks_forward);
 3. the target's frozen lm_head turns block rows into logits. The i-th prediction of a block is the
    token at a + 1 + i: DFlash (candidate offset 1) predicts from rows 1..B-1, DSpark (offset 0) from
-   rows 0..B-1, adding the Markov bias W2·W1[x_{i-1}] with teacher-forced previous tokens (the anchor,
-   then the true tokens);
-4. loss = cross-entropy weighted by exp(-i/gamma) (gamma 7 for B >= 16, 5 for B >= 10, else 4), over
-   predictions that fall inside the sequence; AdamW, warmup then cosine, gradient clip 1.0, bf16
-   autocast on cuda.
+   rows 0..B-1, adding the Markov bias W2·W1[x_{i-1}] with the previous tokens (the anchor, then the
+   sequence's tokens);
+4. the teacher of prediction i is the target's distribution at a + i. It is what greedy speculative
+   decoding verifies against only while the sequence follows the target's own greedy chain, so a
+   prediction counts ("on-policy") only when the anchor is the target's argmax at a - 1 and every
+   sequence token a+1 .. a+i is the target's argmax before it. On the target's own greedy answers
+   that is every prediction; on real text or sampled answers it keeps exactly the blocks whose labels
+   a greedy decode would produce (`--no-on-policy` scores everything against the sequence's tokens);
+5. loss = ce_weight x cross-entropy to the teacher's argmax + (1 - ce_weight) x a divergence to the
+   teacher's distribution (forward KL, or total variation as DSpark), each prediction weighted
+   exp(-i/gamma) (gamma 7 for B >= 16, 5 for B >= 10, else 4); AdamW, warm-up then cosine, gradient
+   clip 1.0, bf16 autocast on cuda.
 
-Logged per window: loss, per-position accuracy and tau, the mean greedy acceptance length a block
-would get (leading correct predictions + 1). Because the data is the target's own greedy output and
-the Markov inputs are exactly the tokens a correct prefix would feed, tau is the acceptance length of
-greedy speculative decoding at those anchors.
+Logged per window: loss, per-position accuracy (draft argmax = teacher argmax), tau (mean greedy
+acceptance length of a block: leading correct predictions + 1), target tokens per second, and the
+held-out tau. Training is resumable: `trainer_state.pt` in the output folder holds the fp32 weights,
+the optimizer, the schedule position, the data order and the random state, written every
+`save_every_s` seconds and at the end, next to a checkpoint that `dflash export` reads.
 """
 
 from __future__ import annotations
@@ -37,12 +48,15 @@ from dflash.exporters.draft_config import parse_draft_config
 from .checkpoint import draft_config_dict, save_trained_draft
 from .data import Example
 from .model import TrainableDraft
-from .target import Target, check_target_layer_ids, choose_mask_token_id, default_target_layer_ids, target_features
+from .target import Target, check_target_layer_ids, choose_mask_token_id, default_target_layer_ids, target_forward
 
 KINDS = ("dflash", "dspark")
+LOSSES = ("kl", "tv", "ce")
 DEFAULT_BLOCK_SIZE = {"dflash": 16, "dspark": 7}
 DEFAULT_MARKOV_RANK = {"dflash": 0, "dspark": 32}
 CANDIDATE_OFFSET = {"dflash": 1, "dspark": 0}
+STATE_FILE = "trainer_state.pt"
+STATE_VERSION = 1
 
 
 def default_loss_gamma(block_size: int) -> float:
@@ -74,8 +88,11 @@ class TrainOptions:
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     loss_gamma: float | None = None
+    loss: str = "kl"  # divergence to the teacher's distribution: kl, tv, or ce (hard labels only)
+    ce_weight: float = 0.1  # share of cross-entropy to the teacher's argmax in the loss
+    on_policy: bool = True  # score only predictions on the target's own greedy chain (module docstring)
     max_length: int = 2048
-    time_limit_s: float | None = None  # the schedule runs on max(step fraction, time fraction)
+    time_limit_s: float | None = None  # the schedule runs on max(step fraction, training-time fraction)
     seed: int = 0
     log_every: int = 10
     save_dtype: str = "float16"
@@ -85,6 +102,10 @@ class TrainOptions:
         """A copy with the kind's defaults filled in; raises InputError on inconsistent values."""
         if self.kind not in KINDS:
             raise InputError(f"unknown draft kind {self.kind!r}", hint="use --kind dflash or --kind dspark")
+        if self.loss not in LOSSES:
+            raise InputError(f"unknown loss {self.loss!r}", hint="use --loss kl, tv or ce")
+        if not 0.0 <= self.ce_weight <= 1.0:
+            raise InputError("--ce-weight must lie between 0 and 1", hint="e.g. --ce-weight 0.1")
         block = self.block_size or DEFAULT_BLOCK_SIZE[self.kind]
         rank = DEFAULT_MARKOV_RANK[self.kind] if self.markov_rank is None else self.markov_rank
         offset = CANDIDATE_OFFSET[self.kind]
@@ -109,17 +130,19 @@ class TrainOptions:
 
 @dataclass
 class Metrics:
-    """Loss, per-position accuracy and mean acceptance length over some blocks."""
+    """Loss, per-position accuracy and acceptance, and mean acceptance length over some blocks."""
 
     loss: float
-    accuracy: list[float]  # accuracy[i]: the i-th prediction of a block (token at anchor + 1 + i)
+    accuracy: list[float]  # accuracy[i]: the i-th prediction of a block (token at anchor + 1 + i) is right
     tau: float  # mean (leading correct predictions + 1) per block
     blocks: int
+    acceptance: list[float] = field(default_factory=list)  # acceptance[i]: predictions 0..i all right
 
     def to_json(self) -> dict[str, Any]:
         return {
             "loss": round(self.loss, 5),
             "accuracy": [round(a, 4) for a in self.accuracy],
+            "acceptance": [round(a, 4) for a in self.acceptance],
             "tau": round(self.tau, 4),
             "blocks": self.blocks,
         }
@@ -129,11 +152,26 @@ class Metrics:
 class LogEntry:
     step: int
     lr: float
-    seconds: float
+    seconds: float  # training time so far, across resumed sessions
     metrics: Metrics
+    tokens: int = 0  # target tokens trained on so far (sequence tokens of every batch)
+    tokens_per_second: float = 0.0  # over the log window
+    eval: Metrics | None = None  # the held-out set at this step
 
     def to_json(self) -> dict[str, Any]:
-        return {"step": self.step, "lr": self.lr, "seconds": round(self.seconds, 2), **self.metrics.to_json()}
+        out = {"step": self.step, "lr": self.lr, "seconds": round(self.seconds, 2), "tokens": self.tokens,
+               "tokens_per_second": round(self.tokens_per_second, 1), **self.metrics.to_json()}
+        if self.eval is not None:
+            out["eval"] = self.eval.to_json()
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "LogEntry":
+        def metrics(d: dict[str, Any]) -> Metrics:
+            return Metrics(d["loss"], d["accuracy"], d["tau"], d["blocks"], d.get("acceptance", []))
+
+        return cls(data["step"], data["lr"], data["seconds"], metrics(data), data.get("tokens", 0),
+                   data.get("tokens_per_second", 0.0), metrics(data["eval"]) if data.get("eval") else None)
 
 
 @dataclass
@@ -150,6 +188,10 @@ class TrainResult:
     history: list[LogEntry] = field(default_factory=list)
     eval_before: Metrics | None = None
     eval_after: Metrics | None = None
+    total_steps: int = 0
+    tokens: int = 0
+    finished: bool = True  # False when the session stopped (stop_after_s) before the schedule ended
+    resumed_from_step: int = 0
     model: TrainableDraft | None = field(default=None, repr=False)  # the trained draft, in eval mode
 
     def to_json(self) -> dict[str, Any]:
@@ -157,7 +199,11 @@ class TrainResult:
             "output_dir": str(self.output_dir),
             "kind": self.kind,
             "steps": self.steps,
+            "total_steps": self.total_steps,
+            "finished": self.finished,
+            "resumed_from_step": self.resumed_from_step,
             "seconds": round(self.seconds, 2),
+            "tokens": self.tokens,
             "mask_token_id": self.mask_token_id,
             "mask_token_reason": self.mask_token_reason,
             "target_layer_ids": self.target_layer_ids,
@@ -187,7 +233,7 @@ def make_batch(examples: Sequence[Example], num_anchors: int, pad_id: int, rng: 
     """
     width = max(len(e.input_ids) for e in examples)
     candidates = [range(e.prompt_len, len(e.input_ids) - 1) for e in examples]
-    k = min(num_anchors, max(len(c) for c in candidates))
+    k = max(1, min(num_anchors, max(len(c) for c in candidates)))
     input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
     anchors = torch.zeros((len(examples), k), dtype=torch.long)
     anchor_valid = torch.zeros((len(examples), k), dtype=torch.bool)
@@ -213,13 +259,36 @@ def block_labels(batch: Batch, num_predictions: int) -> tuple[torch.Tensor, torc
     return labels, valid, previous
 
 
+class BatchOrder:
+    """Endless shuffled passes over `count` examples, resumable: (epoch, position) and the shuffle seed."""
+
+    def __init__(self, count: int, batch_size: int, seed: int, epoch: int = 0, position: int = 0):
+        self.count, self.batch_size, self.seed = count, batch_size, seed
+        self.epoch, self.position = epoch, position
+        self._order = self._shuffled(epoch)
+
+    def _shuffled(self, epoch: int) -> list[int]:
+        order = list(range(self.count))
+        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def next(self) -> list[int]:
+        if self.position >= self.count:
+            self.epoch, self.position = self.epoch + 1, 0
+            self._order = self._shuffled(self.epoch)
+        chosen = self._order[self.position : self.position + self.batch_size]
+        self.position += self.batch_size
+        return chosen
+
+    def state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position, "count": self.count}
+
+
 def batch_iterator(examples: Sequence[Example], batch_size: int, rng: random.Random) -> Iterator[list[Example]]:
     """Endless shuffled passes over `examples` (the last short batch of a pass is kept)."""
-    order = list(range(len(examples)))
+    order = BatchOrder(len(examples), batch_size, rng.randrange(2**31))
     while True:
-        rng.shuffle(order)
-        for first in range(0, len(order), batch_size):
-            yield [examples[i] for i in order[first : first + batch_size]]
+        yield [examples[i] for i in order.next()]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -231,8 +300,38 @@ class StepOutput:
     loss: torch.Tensor
     correct: torch.Tensor  # [N, K, P] bool (False where not valid)
     valid: torch.Tensor  # [N, K, P] bool
-    ce_sum: torch.Tensor  # weighted CE sum and weight sum, to average over a log window
+    ce_sum: torch.Tensor  # weighted loss sum and weight sum, to average over a log window
     weight_sum: torch.Tensor
+    tokens: int = 0  # real tokens in the batch
+
+
+def teacher_chain(
+    batch: Batch, teacher_argmax: torch.Tensor, num_predictions: int, on_policy: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(labels, valid, previous) [N, K, P] of the predictions scored against the teacher.
+
+    The label of prediction i is the teacher's argmax at a + i (the token the target picks after the
+    sequence up to a + i). With `on_policy`, prediction i is valid only while the anchor and the
+    sequence's tokens a+1 .. a+i are each the teacher's argmax before them (see the module docstring);
+    without it, the labels are the sequence's own next tokens and every prediction inside it counts.
+    """
+    seq_labels, valid, previous = block_labels(batch, num_predictions)
+    if not on_policy:
+        return seq_labels, valid, previous
+    n, t = batch.input_ids.shape
+    device = batch.input_ids.device
+    positions = batch.anchors[..., None] + torch.arange(num_predictions, device=device)  # a + i
+    flat_argmax = teacher_argmax[:, None, :].expand(-1, batch.anchors.shape[1], -1)
+    labels = torch.gather(flat_argmax, 2, positions.clamp(max=t - 1))
+    # follows[j]: the sequence token at a+1+j is the teacher's argmax at a+j (the chain continues).
+    follows = labels == seq_labels
+    before_anchor = torch.gather(teacher_argmax, 1, (batch.anchors - 1).clamp(min=0))
+    anchor_ids = torch.gather(batch.input_ids, 1, batch.anchors)
+    anchor_ok = (before_anchor == anchor_ids) & (batch.anchors > 0)
+    # Prediction i needs the chain through a+i: anchor_ok and follows[0..i-1]; it must lie inside the sequence.
+    chain = torch.cat([anchor_ok[..., None], follows[..., :-1]], dim=-1).long().cumprod(dim=-1).bool()
+    inside = batch.anchor_valid[..., None] & (positions < batch.lengths[:, None, None])
+    return labels, chain & inside, previous
 
 
 def compute_loss(
@@ -244,36 +343,63 @@ def compute_loss(
     target_layer_ids: Sequence[int],
     mask_token_id: int,
     gamma: float,
+    loss: str = "kl",
+    ce_weight: float = 0.1,
+    on_policy: bool = True,
 ) -> StepOutput:
-    """The weighted block cross-entropy of one batch (see the module docstring)."""
+    """The weighted block loss of one batch (see the module docstring)."""
     device = target.device
     batch = Batch(*(t.to(device) for t in (batch.input_ids, batch.lengths, batch.anchors, batch.anchor_valid)))
     block_size = draft.config.block_size
     offset = CANDIDATE_OFFSET[kind]
     num_predictions = block_size - offset
 
-    features = target_features(target, batch.input_ids, target_layer_ids)
+    features, final_hidden = target_forward(target, batch.input_ids, target_layer_ids)
+    with torch.no_grad():
+        teacher_argmax = _chunked_argmax(target, final_hidden)
+    labels, valid, previous = teacher_chain(batch, teacher_argmax, num_predictions, on_policy)
     anchor_ids = torch.gather(batch.input_ids, 1, batch.anchors)
     block_ids = torch.full((*batch.anchors.shape, block_size), mask_token_id, dtype=torch.long, device=device)
     block_ids[..., 0] = anchor_ids
     with torch.no_grad():
         block_embeds = target.embed(block_ids)
 
+    rows = valid.nonzero(as_tuple=True)
     with _autocast(device):
         hidden = draft(features, block_embeds, batch.anchors)[:, :, offset:]  # [N, K, P, H]
-        labels, valid, previous = block_labels(batch, num_predictions)
-        rows = valid.nonzero(as_tuple=True)
-        logits = target.lm_head(hidden[rows])  # only the rows that are scored
+        logits = target.lm_head(hidden[rows]).float()  # only the rows that are scored
         if draft.markov_head is not None:
-            logits = logits + draft.markov_head(previous[rows])
-        ce = F.cross_entropy(logits.float(), labels[rows], reduction="none")
+            logits = logits + draft.markov_head(previous[rows]).float()
+    row_labels = labels[rows]
+    per_row = F.cross_entropy(logits, row_labels, reduction="none")
+    if loss != "ce" and ce_weight < 1.0:
+        per_row = ce_weight * per_row
+        with torch.no_grad():
+            teacher_pos = (batch.anchors[..., None] + torch.arange(num_predictions, device=device))[rows]
+            teacher_logp = target.lm_head(final_hidden[rows[0], teacher_pos]).float().log_softmax(-1)
+        student_logp = logits.log_softmax(-1)
+        if loss == "kl":
+            divergence = (teacher_logp.exp() * (teacher_logp - student_logp)).sum(-1)
+        else:  # total variation
+            divergence = 0.5 * (teacher_logp.exp() - student_logp.exp()).abs().sum(-1)
+        per_row = per_row + (1.0 - ce_weight) * divergence
     weights = torch.exp(-rows[2].float() / gamma)
-    ce_sum = (ce * weights).sum()
+    ce_sum = (per_row * weights).sum()
     weight_sum = weights.sum()
-    loss = ce_sum / weight_sum.clamp(min=1e-8)
+    total = ce_sum / weight_sum.clamp(min=1e-8)
     correct = torch.zeros_like(valid)
-    correct[rows] = logits.argmax(dim=-1) == labels[rows]
-    return StepOutput(loss, correct, valid, ce_sum.detach(), weight_sum.detach())
+    correct[rows] = logits.argmax(dim=-1) == row_labels
+    return StepOutput(total, correct, valid, ce_sum.detach(), weight_sum.detach(), int(batch.lengths.sum()))
+
+
+def _chunked_argmax(target: Target, final_hidden: torch.Tensor, rows_per_chunk: int = 8192) -> torch.Tensor:
+    """The teacher's argmax [N, T] at every position, without holding all [N, T, V] logits at once."""
+    n, t, h = final_hidden.shape
+    flat = final_hidden.reshape(n * t, h)
+    out = torch.empty(n * t, dtype=torch.long, device=final_hidden.device)
+    for first in range(0, n * t, rows_per_chunk):
+        out[first : first + rows_per_chunk] = target.lm_head(flat[first : first + rows_per_chunk]).argmax(-1)
+    return out.view(n, t)
 
 
 def _autocast(device: torch.device):
@@ -293,29 +419,36 @@ class MetricWindow:
         self.weight = 0.0
         self.correct: torch.Tensor | None = None
         self.valid: torch.Tensor | None = None
+        self.accepted: torch.Tensor | None = None
         self.tau_sum = 0.0
         self.blocks = 0
+        self.tokens = 0
 
     def add(self, out: StepOutput) -> None:
         self.ce += float(out.ce_sum)
         self.weight += float(out.weight_sum)
+        self.tokens += out.tokens
         correct = out.correct.sum(dim=(0, 1)).double().cpu()
         valid = out.valid.sum(dim=(0, 1)).double().cpu()
-        self.correct = correct if self.correct is None else self.correct + correct
-        self.valid = valid if self.valid is None else self.valid + valid
         # Acceptance: predictions are accepted while correct; an invalid (past the end) row stops it.
         scored = out.valid[..., 0]
-        accepted = out.correct.long().cumprod(dim=-1).sum(dim=-1)
-        self.tau_sum += float((accepted[scored] + 1).sum())
+        prefix = out.correct.long().cumprod(dim=-1)
+        accepted_at = prefix[scored].sum(dim=0).double().cpu()
+        self.correct = correct if self.correct is None else self.correct + correct
+        self.valid = valid if self.valid is None else self.valid + valid
+        self.accepted = accepted_at if self.accepted is None else self.accepted + accepted_at
+        self.tau_sum += float((prefix.sum(dim=-1)[scored] + 1).sum())
         self.blocks += int(scored.sum())
 
     def metrics(self) -> Metrics:
         accuracy = (self.correct / self.valid.clamp(min=1)).tolist() if self.correct is not None else []
+        acceptance = (self.accepted / max(1, self.blocks)).tolist() if self.accepted is not None else []
         return Metrics(
             loss=self.ce / self.weight if self.weight else float("nan"),
             accuracy=accuracy,
             tau=self.tau_sum / self.blocks if self.blocks else float("nan"),
             blocks=self.blocks,
+            acceptance=acceptance,
         )
 
 
@@ -365,6 +498,25 @@ def build_draft_config(target: Target, options: TrainOptions) -> tuple[dict[str,
     return config, mask_id, reason, layer_ids
 
 
+# Options a resumed run must share with the run it continues (the rest may change between sessions).
+_FIXED_ON_RESUME = ("kind", "block_size", "num_layers", "markov_rank", "target_layer_ids", "intermediate_size",
+                    "mask_token_id")
+
+
+def load_state(output_dir: str | Path) -> dict[str, Any]:
+    """The resumable state `train_draft` wrote in `output_dir` (InputError when there is none)."""
+    path = Path(output_dir) / STATE_FILE
+    if not path.is_file():
+        raise InputError(
+            f"nothing to resume: {path} does not exist",
+            hint="--resume continues a run in the same OUTPUT_DIR; drop --resume to start a new one",
+        )
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    if state.get("version") != STATE_VERSION:
+        raise InputError(f"{path} was written by another version of dflash train", hint="start a new run")
+    return state
+
+
 def train_draft(
     target: Target,
     train_examples: Sequence[Example],
@@ -375,85 +527,168 @@ def train_draft(
     on_step: Callable[[int, int, float], None] | None = None,
     on_log: Callable[[LogEntry], None] | None = None,
     extra_info: dict[str, Any] | None = None,
+    resume: bool = False,
+    stop_after_s: float | None = None,
+    save_every_s: float | None = None,
+    eval_every: int | None = None,
+    eval_log_sequences: int = 64,
 ) -> TrainResult:
     """Train a draft for `target` on `train_examples` and save its checkpoint in `output_dir`.
 
     `on_step(step, total_steps, loss)` is called after every optimizer step, `on_log(entry)` every
-    `log_every` steps. With `eval_examples`, the draft is evaluated (fixed anchors) before and after.
+    `log_every` steps. With `eval_examples`, the draft is evaluated (fixed anchors) before and after,
+    and on the first `eval_log_sequences` of them every `eval_every` steps (default: every log).
+    `resume` continues the run saved in `output_dir` (weights, optimizer, schedule, data order);
+    `stop_after_s` ends this session early (the schedule is not shortened: resume to finish it);
+    `save_every_s` writes the checkpoint and the resumable state that often.
     """
     options = options.resolved()
     if not train_examples:
         raise InputError("no training sequences", hint="generate data first (--generate-data N)")
+    output_dir = Path(output_dir)
+    state = load_state(output_dir) if resume else None
+    if state is not None:
+        saved = state["options"]
+        changed = [name for name in _FIXED_ON_RESUME if saved.get(name) != getattr(options, name)
+                   and not (name == "mask_token_id" and getattr(options, name) is None)
+                   and not (name == "target_layer_ids" and getattr(options, name) is None)]
+        if changed:
+            raise InputError(
+                f"--resume cannot change {', '.join(changed)} (the saved run has "
+                + ", ".join(f"{n}={saved.get(n)}" for n in changed) + ")",
+                hint="resume with the same draft options, or start a new run in another folder",
+            )
+        options = TrainOptions(**{**asdict(options), **{n: saved[n] for n in _FIXED_ON_RESUME}}).resolved()
     torch.manual_seed(options.seed)
     rng = random.Random(options.seed)
     config_dict, mask_id, mask_reason, layer_ids = build_draft_config(target, options)
     draft_config = parse_draft_config(config_dict, source="dflash train")
     draft = TrainableDraft(draft_config).to(target.device)
     pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else mask_id
-    step_kwargs = dict(kind=options.kind, target_layer_ids=layer_ids, mask_token_id=mask_id, gamma=options.loss_gamma)
+    step_kwargs = dict(kind=options.kind, target_layer_ids=layer_ids, mask_token_id=mask_id, gamma=options.loss_gamma,
+                       loss=options.loss, ce_weight=options.ce_weight, on_policy=options.on_policy)
 
     total_steps = options.steps or max(1, math.ceil(options.epochs * len(train_examples) / options.batch_size))
     optimizer = torch.optim.AdamW(
         draft.parameters(), lr=options.lr, betas=(0.9, 0.95), weight_decay=options.weight_decay,
         fused=target.device.type == "cuda",
     )
-    result = TrainResult(Path(output_dir), options.kind, 0, 0.0, mask_id, mask_reason, layer_ids)
-    if eval_examples:
+    order = BatchOrder(len(train_examples), options.batch_size, options.seed)
+    result = TrainResult(output_dir, options.kind, 0, 0.0, mask_id, mask_reason, layer_ids)
+    step, trained_s, tokens = 0, 0.0, 0
+    if state is not None:
+        draft.load_state_dict(state["draft"])
+        optimizer.load_state_dict(state["optimizer"])
+        step, trained_s, tokens = state["step"], state["seconds"], state["tokens"]
+        total_steps = state["total_steps"] if options.steps is None else options.steps
+        if state["order"]["count"] == len(train_examples):
+            order = BatchOrder(len(train_examples), options.batch_size, options.seed, state["order"]["epoch"],
+                               state["order"]["position"])
+        rng.setstate(state["rng"])
+        result.history = [LogEntry.from_json(entry) for entry in state["history"]]
+        result.eval_before = Metrics(**state["eval_before"]) if state.get("eval_before") else None
+        result.resumed_from_step = step
+    result.total_steps = total_steps
+    eval_log_set = list(eval_examples or [])[:eval_log_sequences]
+    if eval_examples and result.eval_before is None:
         result.eval_before = evaluate(draft, target, eval_examples, options, step_kwargs, pad_id)
 
+    def save(final: bool) -> None:
+        info = {
+            "target": str(target.path),
+            "kind": options.kind,
+            "mask_token_id": mask_id,
+            "mask_token_reason": mask_reason,
+            "options": asdict(options),
+            "train_sequences": len(train_examples),
+            "eval_sequences": len(eval_examples or []),
+            "result": result.to_json(),
+            "history": [entry.to_json() for entry in result.history],
+            **(extra_info or {}),
+        }
+        save_trained_draft(output_dir, config_dict, draft.state_dict(), dtype=options.save_dtype,
+                           max_shard_mb=options.max_shard_mb, training_info=info)
+        torch.save(
+            {
+                "version": STATE_VERSION,
+                "options": asdict(options),
+                "draft": {k: v.detach().cpu() for k, v in draft.state_dict().items()},
+                "optimizer": optimizer.state_dict(),
+                "step": step,
+                "total_steps": total_steps,
+                "seconds": trained_s,
+                "tokens": tokens,
+                "order": order.state(),
+                "rng": rng.getstate(),
+                "history": [entry.to_json() for entry in result.history],
+                "eval_before": asdict(result.eval_before) if result.eval_before else None,
+                "final": final,
+            },
+            output_dir / (STATE_FILE + ".tmp"),
+        )
+        (output_dir / (STATE_FILE + ".tmp")).replace(output_dir / STATE_FILE)
+
     window = MetricWindow()
-    batches = batch_iterator(train_examples, options.batch_size, rng)
-    start = time.monotonic()
+    session_start = time.monotonic()
+    last_save = session_start
+    window_start, window_tokens = session_start, 0
     draft.train()
-    step = 0
-    progress = 0.0
+    progress = _progress(step, total_steps, trained_s, options.time_limit_s)
+    result.finished = progress >= 1.0
     while progress < 1.0:
+        if stop_after_s is not None and time.monotonic() - session_start >= stop_after_s:
+            result.finished = False
+            break
+        step_start = time.monotonic()
         lr = lr_at(progress, options.lr, options.warmup_ratio)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        batch = make_batch(next(batches), options.num_anchors, pad_id, rng)
+        batch = make_batch([train_examples[i] for i in order.next()], options.num_anchors, pad_id, rng)
         out = compute_loss(draft, target, batch, **step_kwargs)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), options.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
+        tokens += out.tokens
+        window_tokens += out.tokens
         window.add(out)
-        elapsed = time.monotonic() - start
-        progress = step / total_steps
-        if options.time_limit_s:
-            progress = max(progress, elapsed / options.time_limit_s)
+        trained_s += time.monotonic() - step_start
+        progress = _progress(step, total_steps, trained_s, options.time_limit_s)
         if on_step:
             on_step(step, total_steps, float(out.loss.detach()))
         if step % options.log_every == 0 or progress >= 1.0:
-            entry = LogEntry(step, lr, elapsed, window.metrics())
+            now = time.monotonic()
+            held_out = None
+            if eval_log_set and (eval_every is None or step % eval_every == 0 or progress >= 1.0):
+                held_out = evaluate(draft, target, eval_log_set, options, step_kwargs, pad_id)
+            entry = LogEntry(step, lr, trained_s, window.metrics(), tokens, window_tokens / max(1e-9, now - window_start),
+                             held_out)
             result.history.append(entry)
             window.reset()
+            window_start, window_tokens = time.monotonic(), 0
             if on_log:
                 on_log(entry)
+        if save_every_s is not None and time.monotonic() - last_save >= save_every_s:
+            result.steps, result.seconds, result.tokens = step, trained_s, tokens
+            save(final=False)
+            last_save = time.monotonic()
+    else:
+        result.finished = True
 
-    result.steps = step
-    result.seconds = time.monotonic() - start
+    result.steps, result.seconds, result.tokens = step, trained_s, tokens
     result.model = draft.eval()
     if eval_examples:
         result.eval_after = evaluate(draft, target, eval_examples, options, step_kwargs, pad_id)
-    info = {
-        "target": str(target.path),
-        "kind": options.kind,
-        "mask_token_id": mask_id,
-        "mask_token_reason": mask_reason,
-        "options": asdict(options),
-        "train_sequences": len(train_examples),
-        "eval_sequences": len(eval_examples or []),
-        "result": result.to_json(),
-        "history": [entry.to_json() for entry in result.history],
-        **(extra_info or {}),
-    }
-    save_trained_draft(
-        output_dir, config_dict, draft.state_dict(), dtype=options.save_dtype,
-        max_shard_mb=options.max_shard_mb, training_info=info,
-    )
+    save(final=result.finished)
     return result
+
+
+def _progress(step: int, total_steps: int, trained_s: float, time_limit_s: float | None) -> float:
+    progress = step / total_steps
+    if time_limit_s:
+        progress = max(progress, trained_s / time_limit_s)
+    return progress
 
 
 @torch.no_grad()
@@ -478,10 +713,7 @@ def evaluate(
 
 
 def split_examples(examples: Sequence[Example], eval_sequences: int, seed: int = 0) -> tuple[list[Example], list[Example]]:
-    """A seeded hold-out of `eval_sequences` sequences (at most a tenth of the data): (train, eval)."""
-    count = min(eval_sequences, len(examples) // 10)
-    order = list(range(len(examples)))
-    random.Random(seed).shuffle(order)
-    held = set(order[:count])
-    train = [e for i, e in enumerate(examples) if i not in held]
-    return train, [examples[i] for i in sorted(held)]
+    """Hold out by prompt: (train, eval). See `dflash.training.dedup.split_by_prompt`."""
+    from .dedup import split_by_prompt
+
+    return split_by_prompt(examples, eval_sequences, seed=seed)
