@@ -17,7 +17,8 @@ app = typer.Typer(
     name="dflash",
     help=(
         "DFlash and DSpark speculative decoding on OpenVINO.\n\n"
-        "Exit codes: 0 ok, 1 the thing checked or run failed, 2 usage or unreadable input."
+        "Exit codes: 0 ok, 1 the thing checked or run failed, 2 usage or unreadable input, "
+        "130 interrupted (SIGINT, Ctrl-C), 143 terminated (SIGTERM)."
     ),
     no_args_is_help=True,
     add_completion=True,
@@ -53,9 +54,12 @@ app.command("bench", epilog=bench_cmd.EXAMPLES)(bench_cmd.bench)
 
 
 def main() -> None:
-    """Console-script entry point."""
+    """Console-script entry point: SIGTERM is handled like Ctrl-C (exporters/interrupts.py)."""
+    from dflash.exporters import interrupts
+
+    interrupts.install()
     try:
         app()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # outside a command's own handling (while typer parses, say)
         sys.stderr.write("error: interrupted\n")
-        sys.exit(130)
+        sys.exit(interrupts.exit_code())

@@ -12,6 +12,7 @@ from rich.markup import escape
 from ._errors import EXIT_INTERRUPTED, handled_errors
 from ._options import AssistantSchedule, DebugOpt, OvConfigOpt, QuietOpt, parse_ov_config
 from ._output import Output
+from ._preflight import check_writable
 
 EXAMPLES = """\
 Examples:
@@ -77,7 +78,7 @@ def bench(
 ) -> None:
     """Benchmark speculative decoding against the target alone: throughput, latency, acceptance.
 
-    Runs the autoregressive baseline and every setting of the sweep (concurrency x num-assistant-tokens x markov-top-k) on the same prompts, greedy with EOS ignored, and checks every speculative output token for token against the baseline. Exit codes: 0 ok; 1 an output differs with f32 inference (or with --strict), a request failed, or the mean accepted length is below --min-accepted-length; 2 usage; 130 interrupted (the finished settings are still written to --json).
+    Runs the autoregressive baseline and every setting of the sweep (concurrency x num-assistant-tokens x markov-top-k) on the same prompts, greedy with EOS ignored, and checks every speculative output token for token against the baseline. Exit codes: 0 ok; 1 an output differs with f32 inference (or with --strict), a request failed, or the mean accepted length is below --min-accepted-length; 2 usage; 130 interrupted (SIGINT), 143 terminated (SIGTERM): the finished settings are still written to --json, with status "interrupted".
     """
     output = Output(quiet=quiet)
     report = None
@@ -102,10 +103,13 @@ def bench(
         )
         if plot is not None:
             _require_matplotlib()
+            check_writable(plot, "--plot")
+        if json_file is not None:  # checked now, not after an hour of benchmarking
+            check_writable(json_file, "--json")
         prompts = load_dataset(dataset, num_prompts)
-        target_dir, draft = _resolve_pair(target_dir, draft, default_draft, output)
-        if target_dir is None or draft is None:
+        if target_dir is not None and draft is None:
             raise InputError("a target needs a draft to benchmark", "pass --draft DRAFT_DIR, or no TARGET_DIR for the embedded pair")
+        target_dir, draft = _resolve_pair(target_dir, draft, default_draft, output)
         options = BenchOptions(
             target_dir=target_dir, draft_dir=draft, prompts=prompts, engine_config=config,
             max_new_tokens=max_new_tokens, concurrencies=concurrencies, num_assistant_tokens=assistant_tokens,
@@ -122,8 +126,11 @@ def bench(
             plot_report(report, plot)
             output.info(f"[dim]wrote {escape(str(plot))}[/dim]")
     if report.status == "interrupted":
-        output.error("interrupted" + (f"; the finished settings are in {json_file}" if json_file else ""))
-        raise typer.Exit(EXIT_INTERRUPTED)
+        from dflash.exporters.interrupts import exit_code, interrupted_by
+
+        what = "terminated (SIGTERM)" if interrupted_by() == 15 else "interrupted"
+        output.error(what + (f"; the finished settings are in {json_file}" if json_file else ""))
+        raise typer.Exit(exit_code(EXIT_INTERRUPTED))
     raise typer.Exit(_verdict(report, output, strict=strict, min_accepted_length=min_accepted_length))
 
 
@@ -157,13 +164,20 @@ def _choice_list(text: str, option: str, choices: tuple[str, ...]) -> list[str]:
 
 
 def _resolve_pair(target_dir: Path | None, draft: Path | None, default_draft: str, output: Output):
-    """The folders to benchmark: as given, or the embedded default pair (exported on first use)."""
+    """The folders to benchmark: as given, or the embedded default pair (exported on first use); given
+    folders get the checks of cli/_preflight.py (the draft: those of `dflash validate`) before loading."""
+    from ._preflight import check_draft_dir, check_target_dir
+
     if target_dir is not None:
+        check_target_dir(target_dir)
+        check_draft_dir(draft, target_dir)
         return target_dir, draft
     from dflash.exporters.default_pair import ensure_default_pair
 
     with output.status(f"Preparing the embedded default pair ({default_draft})") as step:
         pair = ensure_default_pair(default_draft, on_step=step)
+    if draft is not None:
+        check_draft_dir(draft, pair.target_dir)
     return pair.target_dir, draft or pair.draft_dir
 
 
@@ -316,8 +330,26 @@ def _print_tables(report, output: Output) -> None:
 
 
 def _write_json(report, path: Path) -> None:
+    """Written whole or not at all: a temporary file beside `path`, renamed over it; signals wait."""
+    import os
+    import tempfile
+
+    from dflash.exporters import interrupts
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report.to_json(), indent=2, default=str) + "\n", encoding="utf-8")
+    text = json.dumps(report.to_json(), indent=2, default=str) + "\n"
+    with interrupts.deferred():
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as file:
+                file.write(text)
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 would become the file's mode
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
 
 def plot_report(report, path: Path) -> None:

@@ -28,6 +28,8 @@ Examples:
   dflash export ./my-target ./my-target-ov --weight-format int8
 
   dflash export ./dspark-draft ./dspark-draft-ov --json
+
+  dflash export ./my-target ./folder-with-other-files --overwrite
 """
 
 
@@ -41,6 +43,10 @@ def export(
     weight_format: WeightFormatOpt = WeightFormat.fp16,
     draft_weight_format: DraftWeightFormatOpt = None,
     trust_remote_code: TrustRemoteCodeOpt = False,
+    overwrite: Annotated[
+        bool,
+        typer.Option("--overwrite", help="Replace an OUTPUT_DIR that holds anything but a previous export of the same kind."),
+    ] = False,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
     debug: DebugOpt = False,
@@ -48,6 +54,8 @@ def export(
     """Export a target and/or a DFlash/DSpark draft to OpenVINO IR.
 
     The role of MODEL comes from its config.json: a draft architecture (DFlashDraftModel, Qwen3DSparkModel) is exported in the per-row PagedAttention layout, anything else as a stateful causal LM annotated with its decoder layers' hidden states. With --draft the pair goes to OUTPUT_DIR/target and OUTPUT_DIR/draft and is validated at the end.
+
+    The export is written into a staging folder beside OUTPUT_DIR and replaces it only when complete: a failed or interrupted export leaves OUTPUT_DIR as it was. An OUTPUT_DIR that holds anything but a previous export of the same kind is refused (exit 2) unless --overwrite.
     """
     output = Output(json_mode=json_output, quiet=quiet)
     with handled_errors(output, debug=debug):
@@ -61,6 +69,7 @@ def export(
                 weight_format=weight_format.value,
                 draft_weight_format=draft_weight_format.value if draft_weight_format else None,
                 trust_remote_code=trust_remote_code,
+                overwrite=overwrite,
                 on_step=on_step,
             )
         if json_output:

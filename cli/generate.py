@@ -90,7 +90,7 @@ def generate(
     One prompt streams to the terminal; many show a progress bar, then each result. With --json, one JSON object per request: id, prompt, text, token ids, number of generated tokens, finish reason, TTFT and TPOT.
     """
     output = Output(json_mode=json_output, quiet=quiet)
-    finished: list = []
+    run = _Run(output)
     with handled_errors(output, debug=debug):
         from dflash.core.config import SamplingParams
         from dflash.core.engine import EngineConfig, LLMEngine
@@ -101,6 +101,7 @@ def generate(
         all_prompts = list(prompts or []) + (read_prompts_file(prompts_file) if prompts_file else [])
         if not all_prompts:
             raise InputError("no prompts given", "pass PROMPT arguments or --prompts-file FILE")
+        _check_prompt_lengths(all_prompts, target_dir)
         params = SamplingParams(
             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
             seed=seed, ignore_eos=ignore_eos, num_assistant_tokens=num_assistant_tokens,
@@ -120,54 +121,168 @@ def generate(
         with output.status(f"Loading {target_dir}" + (f" with draft {draft}" if draft else "")):
             engine = LLMEngine(target_dir, config, draft_dir=draft)
         use_chat = chat if chat is not None else bool(getattr(engine.tokenizer, "chat_template", None))
+        run.streamed = len(all_prompts) == 1 and not json_output
+        run.num_requests = len(all_prompts)
         try:
-            if len(all_prompts) == 1 and not json_output:
-                _stream_one(engine, all_prompts[0], params, use_chat, output, finished)
+            if run.streamed:
+                _stream_one(engine, all_prompts[0], params, use_chat, run)
             else:
-                _run_many(engine, all_prompts, params, use_chat, output, finished)
-        finally:
-            # Ctrl-C or a failure mid-run: what finished is still printed, and nothing is lost.
-            _print_results(finished, output, streamed=len(all_prompts) == 1 and not json_output)
-            for warning in engine.warnings:
-                output.warning(warning)
-            if engine.has_draft:
-                _print_acceptance(engine, output)
-    if any(result.error for result in finished):
+                _run_many(engine, all_prompts, params, use_chat, run)
+        except KeyboardInterrupt:
+            run.close(engine, interrupted=True)
+            raise
+        except BaseException:
+            run.close(engine, interrupted=False)
+            raise
+        # SIGINT, SIGTERM or a failure mid-run: what finished is already written (--json) or is printed
+        # by close(), so nothing is lost; a signal during close() is recorded, not raised.
+        run.close(engine, interrupted=False)
+    if run.num_failed:
         raise typer.Exit(1)
+
+
+class _Run:
+    """Where results go: with --json one JSONL line per request as it finishes (flushed, written whole
+    under deferred signals); otherwise collected and printed at the end, in prompt order."""
+
+    def __init__(self, output: Output):
+        self.output = output
+        self.streamed = False
+        self.num_requests = 0
+        self.num_finished = 0
+        self.num_failed = 0
+        self.order: dict[str, int] = {}
+        self._held: list = []
+
+    def add(self, result) -> None:
+        from dflash.exporters import interrupts
+
+        self.num_finished += result.finish_reason != "abort"
+        self.num_failed += bool(result.error)
+        if not self.output.json_mode:
+            self._held.append(result)
+            return
+        with interrupts.deferred():
+            sys.stdout.write(_json_line(result.to_json()))
+            sys.stdout.flush()
+            if result.error:  # stdout is for data: the failure is said on stderr too
+                self.output.error(escape(f"{result.req_id}: {result.error}"))
+
+    def close(self, engine, *, interrupted: bool) -> None:
+        """Print what was held, the warnings and the acceptance summary; with --json after an
+        interrupt, a last line {"status": "interrupted", "signal": ...}."""
+        import signal
+
+        from dflash.exporters import interrupts
+
+        with interrupts.deferred():
+            self._held.sort(key=lambda result: self.order.get(result.req_id, len(self.order)))
+            _print_results(self._held, self.output, streamed=self.streamed)
+            for warning in engine.warnings:
+                self.output.warning(warning)
+            if engine.has_draft:
+                _print_acceptance(engine, self.output)
+            if interrupted and self.output.json_mode:
+                signum = interrupts.interrupted_by() or signal.SIGINT
+                sys.stdout.write(_json_line({
+                    "status": "interrupted", "signal": signal.Signals(signum).name,
+                    "num_requests": self.num_requests, "num_finished": self.num_finished,
+                }))  # fmt: skip
+            sys.stdout.flush()
+
+
+# A prompt longer than this many characters per position of the model cannot fit (a token is at least
+# one character); refusing it before tokenization spares minutes and the memory of a huge file.
+MAX_CHARS_PER_POSITION = 64
+
+
+def _check_prompt_lengths(prompts: list, target_dir: Path) -> None:
+    import json
+
+    from dflash.core.errors import InputError
+
+    try:
+        config = json.loads((Path(target_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    positions = (config.get("text_config") or config).get("max_position_embeddings")
+    if not isinstance(positions, int) or positions <= 0:
+        positions = 131072
+    limit = positions * MAX_CHARS_PER_POSITION
+    for index, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            size = len(prompt)
+        else:
+            size = sum(len(str(m.get("content", ""))) for m in prompt if isinstance(m, dict))
+        if size > limit:
+            raise InputError(
+                f"prompt {index + 1} has {size} characters, more than the model's {positions} positions "
+                f"can hold (at most {limit} characters are read)",
+                "shorten the prompt or split it",
+            )
 
 
 def _resolve_models(target_dir, draft, prompts, default_draft, output: Output):
     """TARGET_DIR is optional: a first argument that is not a folder is a prompt, and the models are
-    the embedded default pair (exported into the cache on first use)."""
+    the embedded default pair (exported into the cache on first use). A first argument that looks like
+    a path (a separator, `~`, an existing file) but is no folder is an error, never a prompt. The
+    folders get the checks of cli/_preflight.py before anything loads."""
+    from dflash.core.errors import InputError
+
+    from ._preflight import check_draft_dir, check_target_dir, looks_like_path
+
     prompts = list(prompts or [])
     if target_dir is not None and not Path(target_dir).is_dir():
+        if looks_like_path(target_dir):
+            what = "is a file, not a folder" if Path(target_dir).exists() else "does not exist"
+            raise InputError(
+                f"TARGET_DIR {target_dir} {what}",
+                "pass an exported target folder (dflash export); to use this text as a prompt for the "
+                "embedded default pair, put it in --prompts-file",
+            )
         prompts.insert(0, target_dir)
         target_dir = None
     if target_dir is not None:
-        return Path(target_dir), draft, prompts
+        target_dir = Path(target_dir)
+        check_target_dir(target_dir)
+        if draft is not None:
+            check_draft_dir(draft, target_dir)
+        return target_dir, draft, prompts
     from dflash.exporters.default_pair import ensure_default_pair
 
     with output.status("Preparing the default pair (SmolLM2-135M-Instruct)") as on_step:
         pair = ensure_default_pair(default_draft.value, on_step=on_step)
+    if draft is not None:
+        check_draft_dir(draft, pair.target_dir)
     return pair.target_dir, draft or pair.draft_dir, prompts
 
 
-def _stream_one(engine, prompt, params, chat: bool, output: Output, finished: list) -> None:
+def _stream_one(engine, prompt, params, chat: bool, run: _Run) -> None:
+    from dflash.exporters import interrupts
+
     req_id = engine.add_request(prompt, params, chat=chat)
-    while engine.has_unfinished_requests():
-        for step_output in engine.step():
-            if step_output.new_text:
-                sys.stdout.write(step_output.new_text)
-                sys.stdout.flush()
-    sys.stdout.write("\n")
-    finished.append(engine.result(req_id))
+    try:
+        while engine.has_unfinished_requests():
+            with interrupts.deferred():  # a signal waits for the end of the step
+                for step_output in engine.step():
+                    if step_output.new_text:
+                        sys.stdout.write(step_output.new_text)
+                        sys.stdout.flush()
+    finally:
+        sys.stdout.write("\n")
+        if engine.abort_request(req_id):  # interrupted: the text so far was streamed already
+            engine.result(req_id)
+    run.add(engine.result(req_id))
 
 
-def _run_many(engine, prompts, params, chat: bool, output: Output, finished: list) -> None:
+def _run_many(engine, prompts, params, chat: bool, run: _Run) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from dflash.exporters import interrupts
+
+    output = run.output
     req_ids = [engine.add_request(p, params, chat=chat) for p in prompts]
-    order = {req_id: i for i, req_id in enumerate(req_ids)}
+    run.order = {req_id: i for i, req_id in enumerate(req_ids)}
     progress = Progress(
         TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         console=output.err, disable=output.quiet or not output.err.is_terminal,
@@ -176,15 +291,21 @@ def _run_many(engine, prompts, params, chat: bool, output: Output, finished: lis
         task = progress.add_task("generate", total=len(req_ids))
         try:
             while engine.has_unfinished_requests():
-                for step_output in engine.step():
-                    if step_output.finished:
-                        finished.append(engine.result(step_output.req_id))
-                        progress.advance(task)
+                # A signal waits for the end of the step: the engine stays consistent and no finished
+                # result is dropped between the step and its line.
+                with interrupts.deferred():
+                    for step_output in engine.step():
+                        if step_output.finished:
+                            run.add(engine.result(step_output.req_id))
+                            progress.advance(task)
         except BaseException:
-            for req_id in req_ids:
-                engine.abort_request(req_id)
+            # Interrupted or failed: the requests still running are aborted; with --json their partial
+            # text is written too (finish_reason "abort"), so every request has its line.
+            with interrupts.deferred():
+                for req_id in req_ids:
+                    if engine.abort_request(req_id) and output.json_mode:
+                        run.add(engine.result(req_id))
             raise
-    finished.sort(key=lambda result: order[result.req_id])
 
 
 def _print_results(results: list, output: Output, *, streamed: bool) -> None:

@@ -23,6 +23,9 @@ from dflash.exporters.draft_config import DraftConfig, load_draft_config
 from dflash.exporters.draft_model import DraftModel, draft_model_from_weights
 from dflash.exporters.draft_format import DRAFT_MODEL_FILE, MARKOV_HEAD_FILE, DraftMetadata, read_draft_metadata  # noqa: F401
 from dflash.exporters.markov_head import markov_head_from_weights, save_markov_head
+from dflash.exporters.staging import check_output_dir, publish, saving, staging_dir
+
+from . import interrupts
 
 WEIGHT_FORMATS = ("fp32", "fp16", "int8", "int4")
 
@@ -45,6 +48,7 @@ def export_draft(
     *,
     weight_format: str = "fp16",
     target_hidden_size: int | None = None,
+    overwrite: bool = False,
     on_step: Callable[[str], None] | None = None,
 ) -> Path:
     """Export the draft `draft` (local folder or hub id) into `output_dir`; returns `output_dir`.
@@ -52,13 +56,20 @@ def export_draft(
     `weight_format` is "fp32", "fp16", "int8" or "int4" (NNCF). With `target_hidden_size`, a draft
     whose hidden size differs from its target's is rejected (ModelFormatError). `on_step` receives a
     short line as each stage starts.
+
+    The export is staged beside `output_dir` and published with a rename (exporters/staging.py): a
+    failed or interrupted export leaves `output_dir` as it was. An `output_dir` that holds anything but
+    a previous draft export is refused (InputError) unless `overwrite`.
     """
     step = on_step or (lambda message: None)
     if weight_format not in WEIGHT_FORMATS:
         raise InputError(
             f"unknown weight format {weight_format!r}", hint=f"choose one of {', '.join(WEIGHT_FORMATS)}"
         )
+    output_dir = Path(output_dir)
+    check_output_dir(output_dir, "draft", overwrite=overwrite, sources=[draft])
     source = resolve_draft_source(draft, on_step=step)
+    check_output_dir(output_dir, "draft", overwrite=overwrite, sources=[source])
     config = load_draft_config(source)
     check_exportable(config, target_hidden_size)
 
@@ -66,22 +77,21 @@ def export_draft(
     weights = load_draft_weights(source, config)
     model = draft_model_from_weights(config, weights)
 
-    step("converting the draft to OpenVINO (per-row, stateful)")
-    ov_model = convert_draft(model)
-    add_draft_rt_info(ov_model, config)
-    ov_model = compress_draft_weights(ov_model, config, weight_format, step)
+    with staging_dir(output_dir) as stage:
+        step("converting the draft to OpenVINO (per-row, stateful)")
+        with interrupts.deferred():  # a signal inside the converter's Python callbacks aborts the process
+            ov_model = convert_draft(model)
+            add_draft_rt_info(ov_model, config)
+            ov_model = compress_draft_weights(ov_model, config, weight_format, step)
 
-    output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    step(f"saving {output_dir / DRAFT_MODEL_FILE}")
-    ov.save_model(ov_model, output_dir / DRAFT_MODEL_FILE, compress_to_fp16=weight_format == "fp16")
-    shutil.copyfile(Path(source) / "config.json", output_dir / "config.json")
-    head = output_dir / MARKOV_HEAD_FILE
-    for stale in (head, head.with_suffix(".bin")):  # an earlier export into this folder may have left one
-        stale.unlink(missing_ok=True)
-    if config.markov_rank > 0:
-        step(f"saving the Markov head (rank {config.markov_rank}, uncompressed)")
-        save_markov_head(markov_head_from_weights(weights), output_dir)
+        step(f"saving {output_dir / DRAFT_MODEL_FILE}")
+        with interrupts.deferred(), saving(output_dir):
+            ov.save_model(ov_model, stage / DRAFT_MODEL_FILE, compress_to_fp16=weight_format == "fp16")
+            shutil.copyfile(Path(source) / "config.json", stage / "config.json")
+            if config.markov_rank > 0:
+                step(f"saving the Markov head (rank {config.markov_rank}, uncompressed)")
+                save_markov_head(markov_head_from_weights(weights), stage)
+        publish(stage, output_dir, "draft")
     return output_dir
 
 

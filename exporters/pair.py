@@ -60,12 +60,19 @@ def export_models(
     weight_format: str = "fp16",
     draft_weight_format: str | None = None,
     trust_remote_code: bool = False,
+    overwrite: bool = False,
     on_step: StepCallback | None = None,
 ) -> ExportResult:
     """Export MODEL (a target or a draft) to OUTPUT_DIR; with `draft`, the pair to target/ and draft/.
 
     A pair is validated at the end (the report is returned; the caller decides what a failure means).
+    OUTPUT_DIR (with a pair: OUTPUT_DIR/target and OUTPUT_DIR/draft) must be new, empty or a previous
+    export of the same kind unless `overwrite`; each model is staged and published atomically.
     """
+    from .staging import check_output_dir
+
+    if draft is not None:  # a single model's exporter checks its folder itself, knowing its role
+        check_output_dir(Path(output_dir), "pair", overwrite=overwrite, sources=[model, draft])
     config = read_source_config(model)
     from .roles import detect_role
 
@@ -76,9 +83,9 @@ def export_models(
 
     if draft is None:
         if role == "draft":
-            result.draft_dir = _export_draft(model, output_dir, draft_weight_format, None, on_step)
+            result.draft_dir = _export_draft(model, output_dir, draft_weight_format, None, overwrite, on_step)
         else:
-            result.target_dir = _export_target(model, output_dir, weight_format, trust_remote_code, on_step)
+            result.target_dir = _export_target(model, output_dir, weight_format, trust_remote_code, overwrite, on_step)
         return result
 
     if role != "target":
@@ -91,9 +98,9 @@ def export_models(
             f"{draft} is not a DFlash/DSpark draft (its config.json names no draft architecture)",
             "pass a z-lab DFlash (DFlashDraftModel) or DeepSpec DSpark (Qwen3DSparkModel) checkpoint",
         )
-    result.target_dir = _export_target(model, output_dir / "target", weight_format, trust_remote_code, on_step)
+    result.target_dir = _export_target(model, output_dir / "target", weight_format, trust_remote_code, overwrite, on_step)
     hidden = json.loads((result.target_dir / "config.json").read_text()).get("hidden_size")
-    result.draft_dir = _export_draft(draft, output_dir / "draft", draft_weight_format, hidden, on_step)
+    result.draft_dir = _export_draft(draft, output_dir / "draft", draft_weight_format, hidden, overwrite, on_step)
 
     from .validate import validate_draft
 
@@ -103,13 +110,15 @@ def export_models(
     return result
 
 
-def _export_target(model, out: Path, weight_format: str, trust_remote_code: bool, on_step) -> Path:
+def _export_target(model, out: Path, weight_format: str, trust_remote_code: bool, overwrite: bool, on_step) -> Path:
     from .target import export_target
 
-    return export_target(model, out, weight_format=weight_format, trust_remote_code=trust_remote_code, on_step=on_step)
+    return export_target(model, out, weight_format=weight_format, trust_remote_code=trust_remote_code,
+                         overwrite=overwrite, on_step=on_step)  # fmt: skip
 
 
-def _export_draft(draft, out: Path, weight_format: str, target_hidden_size: int | None, on_step) -> Path:
+def _export_draft(draft, out: Path, weight_format: str, target_hidden_size: int | None, overwrite: bool, on_step) -> Path:
     from .draft import export_draft
 
-    return export_draft(draft, out, weight_format=weight_format, target_hidden_size=target_hidden_size, on_step=on_step)
+    return export_draft(draft, out, weight_format=weight_format, target_hidden_size=target_hidden_size,
+                        overwrite=overwrite, on_step=on_step)  # fmt: skip

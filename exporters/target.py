@@ -8,13 +8,13 @@ thing: the `hidden_states_decoder_layers` rt_info for every family, not only qwe
 
 Stages, in order (each announced through `on_step`):
 1. read config.json and refuse drafts;
-2. convert with optimum-intel into a staging folder next to the output, so a failed export never
-   leaves a half-written model where a finished one is expected;
+2. convert with optimum-intel into a staging folder next to the output (exporters/staging.py), so a
+   failed or interrupted export never leaves a half-written model where a finished one is expected;
 3. annotate the decoder layers on the uncompressed graph;
 4. compress the weights with NNCF through optimum-intel's own weight-quantization config (int8/int4),
    then check that every locator still resolves;
 5. convert the tokenizer (a failure is only a warning);
-6. move the files into place.
+6. publish the staging folder as OUTPUT_DIR with a rename (the previous export goes only then).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import contextlib
 import os
 import shutil
 import sys
-import tempfile
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -39,8 +38,10 @@ from .hidden_states import (
     hidden_state_outputs,
     read_hidden_state_locators,
 )
+from . import interrupts
 from .pair import read_source_config
 from .roles import detect_role
+from .staging import check_output_dir, disk_full_error, publish, saving, staging_dir
 
 __all__ = ["WEIGHT_FORMATS", "detect_role", "export_target"]
 
@@ -66,13 +67,16 @@ def export_target(
     *,
     weight_format: str = "fp16",
     trust_remote_code: bool = False,
+    overwrite: bool = False,
     on_step: StepCallback | None = None,
 ) -> Path:
     """Export the causal LM `model` (hub id or local folder) to `output_dir`; return `output_dir`.
 
     `weight_format` is fp32, fp16, int8 or int4. Raises InputError/ModelFormatError for input that is
-    not a target (no config.json, a DFlash/DSpark draft, not a causal LM) and ExportError when
-    optimum-intel, NNCF or the hidden-state annotation fails.
+    not a target (no config.json, a DFlash/DSpark draft, not a causal LM) or an `output_dir` that holds
+    anything but a previous target export (unless `overwrite`), and ExportError when optimum-intel,
+    NNCF, the hidden-state annotation or the disk fails. The export is staged beside `output_dir` and
+    published with a rename: a failed or interrupted export leaves `output_dir` as it was.
     """
     step = on_step or (lambda _description: None)
     if weight_format not in WEIGHT_FORMATS:
@@ -80,45 +84,47 @@ def export_target(
             f"unknown weight format {weight_format!r}", f"choose one of {', '.join(WEIGHT_FORMATS)}"
         )
     output_dir = Path(output_dir)
-    _check_output_dir(model, output_dir)
+    check_output_dir(output_dir, "target", overwrite=overwrite, sources=[model])
 
     step("Loading model")
     config = read_source_config(model)
     _require_target(model, config)
 
-    with tempfile.TemporaryDirectory(prefix=f".{output_dir.name}.partial-", dir=output_dir.parent) as tmp:
-        staging = Path(tmp)
+    with staging_dir(output_dir) as stage:
+        work = stage / ".convert"  # optimum-intel's own output; the final files go to `stage`
         step("Converting to OpenVINO")
         ov_config = _ov_config(weight_format)
-        _convert(model, staging, ov_config, trust_remote_code)
-        ov_model = ov.Core().read_model(staging / MODEL_XML)
+        # Signals wait for the end of each stage: one inside the converter's Python callbacks aborts
+        # the process or turns into an unrelated conversion error.
+        with interrupts.deferred():
+            _convert(model, work, ov_config, trust_remote_code, output_dir)
+            ov_model = ov.Core().read_model(work / MODEL_XML)
 
         step("Annotating hidden states")
-        _annotate(ov_model, model, config, trust_remote_code)
+        with interrupts.deferred():
+            _annotate(ov_model, model, config, trust_remote_code)
 
         if weight_format in _WEIGHT_COMPRESSION:
             step(f"Compressing weights ({weight_format})")
-            ov_model = _compress(ov_model, ov_config.quantization_config, weight_format)
+            with interrupts.deferred():
+                ov_model = _compress(ov_model, ov_config.quantization_config, weight_format)
         _check_annotation(ov_model)
 
+        step("Saving")
+        with interrupts.deferred(), saving(output_dir):
+            # fp16 weights are already f16 constants; compressing again only keeps them so.
+            ov.save_model(ov_model, stage / MODEL_XML, compress_to_fp16=weight_format == "fp16")
+            del ov_model
+            for item in work.iterdir():
+                if item.name not in (MODEL_XML, Path(MODEL_XML).with_suffix(".bin").name):
+                    os.replace(item, stage / item.name)
+            shutil.rmtree(work)
+
         step("Converting tokenizer")
-        _convert_tokenizer(staging, trust_remote_code)
-
-        _publish(ov_model, staging, output_dir, compress_to_fp16=weight_format == "fp16")
+        with interrupts.deferred(), saving(output_dir):
+            _convert_tokenizer(stage, trust_remote_code)
+        publish(stage, output_dir, "target")
     return output_dir
-
-
-def _check_output_dir(model: str | Path, output_dir: Path) -> None:
-    if output_dir.exists() and not output_dir.is_dir():
-        raise InputError(f"{output_dir} exists and is not a folder", "choose another output folder")
-    if Path(model).exists() and Path(model).resolve() == output_dir.resolve():
-        raise InputError(
-            f"{output_dir} is the source model folder", "write the export to a folder of its own"
-        )
-    try:
-        output_dir.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise InputError(f"cannot create {output_dir.parent}: {exc}", "choose a writable output folder") from exc
 
 
 def _require_target(model: str | Path, config: dict[str, Any]) -> None:
@@ -139,7 +145,7 @@ def _ov_config(weight_format: str) -> Any:
     return OVConfig(dtype=weight_format)
 
 
-def _convert(model: str | Path, staging: Path, ov_config: Any, trust_remote_code: bool) -> None:
+def _convert(model: str | Path, staging: Path, ov_config: Any, trust_remote_code: bool, output_dir: Path) -> None:
     """optimum-intel's own export path (model loading, dtype handling, stateful conversion)."""
     from optimum.exporters.openvino import main_export
 
@@ -156,6 +162,9 @@ def _convert(model: str | Path, staging: Path, ov_config: Any, trust_remote_code
                 convert_tokenizer=False,
             )
     except Exception as exc:  # noqa: BLE001 - every optimum/transformers failure becomes one ExportError
+        full = disk_full_error(exc, output_dir)
+        if full is not None:
+            raise full from exc
         raise ExportError(
             f"optimum-intel could not convert {model}: {_first_line(exc)}",
             "check that it is a causal LM supported by optimum-intel 2.2.0 "
@@ -238,24 +247,6 @@ def _convert_tokenizer(staging: Path, trust_remote_code: bool) -> None:
             "OpenVINO GenAI needs it, dflash uses the Hugging Face tokenizer files",
             stacklevel=3,
         )
-
-
-def _publish(ov_model: ov.Model, staging: Path, output_dir: Path, *, compress_to_fp16: bool) -> None:
-    """Write the final model into `output_dir` and move every other staged file next to it."""
-    output_dir.mkdir(parents=True, exist_ok=True)
-    # A tokenizer left from an earlier export must not outlive a conversion that failed this time.
-    for stale in ("openvino_tokenizer", "openvino_detokenizer"):
-        for suffix in (".xml", ".bin"):
-            (output_dir / f"{stale}{suffix}").unlink(missing_ok=True)
-    # fp16 weights are already f16 constants; compressing again only keeps them so.
-    ov.save_model(ov_model, output_dir / MODEL_XML, compress_to_fp16=compress_to_fp16)
-    for item in staging.iterdir():
-        if item.name in (MODEL_XML, Path(MODEL_XML).with_suffix(".bin").name):
-            continue
-        target = output_dir / item.name
-        if target.is_dir():
-            shutil.rmtree(target)
-        os.replace(item, target)
 
 
 @contextlib.contextmanager

@@ -34,6 +34,7 @@ from dflash.exporters.draft_format import (
     TOPK_INPUTS,
     TOPK_OUTPUT,
 )
+from dflash.exporters.staging import check_complete
 
 TARGET_MODEL_FILE = "openvino_model.xml"
 MARKOV_HEAD_INPUTS = (*DENSE_INPUTS, *TOPK_INPUTS)
@@ -195,6 +196,9 @@ def _read_target(folder: Path) -> _Target:
         layers=list(range(size("num_hidden_layers"))) if size("num_hidden_layers") else None,
         layers_source="config.json num_hidden_layers",
     )
+    incomplete = check_complete(folder)
+    if incomplete:
+        raise InputError(f"the target is not a complete export: {incomplete}", hint="re-export the target")
     if (folder / TARGET_MODEL_FILE).is_file():
         _read_target_ir(folder / TARGET_MODEL_FILE, target)
     return target
@@ -605,15 +609,15 @@ def validate_draft(
     if check_paged:
         steps.append(("paged_attention", lambda: _paged_step(draft, report)))
 
-    if draft.model is None:
+    # A staging folder, or a folder whose files differ from what its export wrote (truncated weights,
+    # a missing file), fails here: OpenVINO may read a truncated .bin and fail only when it compiles.
+    incomplete = check_complete(draft_dir)
+    if draft.model is None or incomplete:
+        detail = incomplete or f"{DRAFT_MODEL_FILE} does not read: {draft.read_error}"
         report.checks.append(
-            _failed(
-                "ir_reads",
-                f"{DRAFT_MODEL_FILE} does not read: {draft.read_error}",
-                f"the .xml/.bin pair is damaged or incomplete; copy it again or {REEXPORT_DRAFT}",
-            )
+            _failed("ir_reads", detail, f"the .xml/.bin pair is damaged or incomplete; copy it again or {REEXPORT_DRAFT}")
         )
-        report.checks += [_skipped(name, f"{DRAFT_MODEL_FILE} does not read", REEXPORT_DRAFT) for name, _ in steps]
+        report.checks += [_skipped(name, "the export is not complete (see ir_reads)", REEXPORT_DRAFT) for name, _ in steps]
         return report
     report.checks.append(_passed("ir_reads", f"{DRAFT_MODEL_FILE} reads ({len(draft.model.get_ops())} ops)"))
     for _, run in steps:
