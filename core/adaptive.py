@@ -26,7 +26,7 @@ the wait (up to `max_probe_after`). Waits are powers of two counted in engine st
 of several requests fall on the same steps and share one draft inference.
 
 Until both lines are fitted (`min_steps` varied steps each) the schedule explores: the whole block,
-half of it and one candidate, step by step.
+half of it, one candidate and none, step by step.
 """
 
 from __future__ import annotations
@@ -43,21 +43,23 @@ class LinearCost:
 
     An earlier fit is kept while new observations cannot be fitted (rows that barely vary)."""
 
-    def __init__(self, window: int = 128, min_samples: int = 8, min_row_spread: float = 1.0):
+    def __init__(self, window: int = 128, min_samples: int = 8, min_row_spread: float = 0.5, refit_every: int = 8):
         self._samples: deque[tuple[int, float]] = deque(maxlen=window)
         self.min_samples = min_samples
         self.min_row_spread = min_row_spread
+        self.refit_every = refit_every  # observations between two fits (a fit costs more than a step's choice)
         self._fit: tuple[float, float] | None = None
-        self._stale = False
+        self._num_new = 0
 
     def observe(self, rows: int, seconds: float) -> None:
         self._samples.append((rows, seconds))
-        self._stale = True
+        self._num_new += 1
 
     def fit(self) -> tuple[float, float] | None:
         """(fixed seconds, seconds per row), or None until it can be fitted."""
-        if self._stale and len(self._samples) >= self.min_samples:
-            self._stale = False
+        due = self._num_new >= self.refit_every or (self._fit is None and self._num_new > 0)
+        if due and len(self._samples) >= self.min_samples:
+            self._num_new = 0
             rows = np.fromiter((r for r, _ in self._samples), dtype=np.float64, count=len(self._samples))
             seconds = np.fromiter((s for _, s in self._samples), dtype=np.float64, count=len(self._samples))
             if rows.std() >= self.min_row_spread:
@@ -68,7 +70,7 @@ class LinearCost:
         return self._fit
 
     def seconds(self, rows: int) -> float:
-        fixed, per_row = self.fit() or (0.0, 0.0)
+        fixed, per_row = self._fit or (0.0, 0.0)  # as of the latest fit()
         return fixed + per_row * rows
 
 
@@ -79,10 +81,12 @@ class AcceptanceCounts:
         self.decay = decay
         self.drafted: list[float] = []
         self.accepted: list[float] = []
+        self.version = 0  # counts observations: estimates computed from the same version are the same
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         if num_drafted <= 0:
             return
+        self.version += 1
         if len(self.drafted) < num_drafted:
             grow = num_drafted - len(self.drafted)
             self.drafted += [0.0] * grow
@@ -130,6 +134,8 @@ class _RequestState:
     steps_without: int = 0  # engine steps since this request last drafted
     probe_after: int = 0  # 0: not paused
     probing: bool = False
+    estimate: list[float] = field(default_factory=list)  # cached, for estimate_key
+    estimate_key: tuple = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +165,8 @@ class AdaptiveSchedule:
         self.target_cost.min_samples = self.draft_cost.min_samples = self.min_steps
         self.engine_wide = AcceptanceCounts(self.engine_decay)
         self._requests: dict[str, _RequestState] = {}
+        self._prior_key: tuple = ()
+        self._prior: list[float] = []
         self._num_steps = 0
         self.num_decisions = 0  # (request, step) decisions made
         self.num_drafting = 0  # of them, with at least one candidate
@@ -206,12 +214,17 @@ class AdaptiveSchedule:
         return ks
 
     def _explore(self, cap: int) -> int:
-        return (cap, (cap + 1) // 2, 1)[self._num_steps % 3]
+        return (cap, (cap + 1) // 2, 1, 0)[self._num_steps % 4]
 
     def estimate(self, req_id: str, cap: int) -> list[float]:
         """q(0..cap-1) for one request: its own counts, the engine-wide figure as the prior."""
-        prior = self.engine_wide.estimate(cap)
-        return self._state(req_id).counts.estimate(cap, prior, self.prior_weight)
+        state = self._state(req_id)
+        key = (cap, state.counts.version, self.engine_wide.version)
+        if state.estimate_key != key:  # most steps: nothing new was verified for this request
+            if self._prior_key != (cap, self.engine_wide.version):
+                self._prior_key, self._prior = (cap, self.engine_wide.version), self.engine_wide.estimate(cap)
+            state.estimate, state.estimate_key = state.counts.estimate(cap, self._prior, self.prior_weight), key
+        return state.estimate
 
     def _best(self, candidates: Sequence[Candidate], num_generating: int, offset: int, other_draft_rows: int) -> dict[str, int]:
         slots = sorted(

@@ -61,10 +61,10 @@ def test_acceptance_counts_decay_extrapolate_and_never_increase_with_position():
     assert counts.estimate(3, prior=[0.0, 0.0, 0.0], prior_weight=4.0) == pytest.approx([3 / 8] * 3)
 
 
-def test_without_fitted_costs_it_explores_whole_half_and_single_blocks():
+def test_without_fitted_costs_it_explores_whole_half_single_and_empty_blocks():
     schedule = AdaptiveSchedule()
-    sizes = [schedule.plan([Candidate("a", 15)], num_generating=1)["a"] for _ in range(6)]
-    assert sorted(sizes[:3]) == [1, 8, 15] and sizes[3:] == sizes[:3]
+    sizes = [schedule.plan([Candidate("a", 15)], num_generating=1)["a"] for _ in range(8)]
+    assert sorted(sizes[:4]) == [0, 1, 8, 15] and sizes[4:] == sizes[:4]
 
 
 def test_zero_when_the_draft_fixed_cost_exceeds_any_gain():
