@@ -30,7 +30,6 @@ situations: with the same committed tokens, a correct draft ledger proposes the 
 from __future__ import annotations
 
 import copy
-import json
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -39,8 +38,6 @@ from pathlib import Path
 import numpy as np
 import openvino as ov
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
 
 from dflash.core.config import SamplingParams
 from dflash.core.engine import EngineConfig, GenerationResult, LLMEngine, RequestOutput
@@ -49,14 +46,22 @@ from dflash.core.metrics import SpecDecodingStats
 from dflash.core.model_runner import read_ov_model
 from dflash.core.request import Request
 from dflash.exporters.draft import export_draft
-from dflash.exporters.draft_checkpoint import make_tiny_draft
+from dflash.exporters.constructed import (
+    A,
+    MASK,
+    chain_of,
+    chain_prompts,
+    edit_weights,
+    make_chain_target,
+    make_scaled_draft,
+    scale_residual_writes,
+    unit_final_norm,
+)
 from dflash.exporters.target import export_target
 from dflash.exporters.tiny import _CORPUS, make_tiny_target
 
 F32 = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
 NEW_TOKENS = 24
-MASK = 3  # the tiny tokenizer's <|mask|>
-A = 300  # the chain target's constant token
 EOS = 2  # <|im_end|>
 SPECIALS = (0, 1, EOS, MASK)  # never in the chain prompts; <|endoftext|>, <|im_start|> map to themselves
 
@@ -78,64 +83,6 @@ MAX_STEPS = 2000
 # ---- checkpoints with controlled greedy choices ---------------------------------------------------
 
 
-def _edit_weights(folder: Path, edit: Callable[[dict[str, torch.Tensor]], None]) -> None:
-    file = folder / "model.safetensors"
-    weights = load_file(file)
-    edit(weights)
-    save_file({name: t.contiguous() for name, t in weights.items()}, file, metadata={"format": "pt"})
-
-
-def _scale_residual_writes(weights: dict[str, torch.Tensor], factor: float) -> None:
-    """Scale what every layer adds to the residual stream (attention and MLP output projections)."""
-    for name in weights:
-        if name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
-            weights[name] = weights[name] * factor
-
-
-def _unit_final_norm(weights: dict[str, torch.Tensor]) -> None:
-    """Final norms of ones: the target's and the draft's heads then see the same normed embedding."""
-    for name in ("norm.weight", "model.norm.weight"):
-        if name in weights:
-            weights[name] = torch.ones_like(weights[name])
-
-
-def _chain_successors(vocab_size: int, seed: int) -> dict[int, int]:
-    """succ: one random cycle over the ordinary tokens and EOS; A and the mask to A; 0 and 1 fixed."""
-    ordinary = [t for t in range(vocab_size) if t not in (0, 1, MASK, A)]
-    order = [ordinary[i] for i in torch.randperm(len(ordinary), generator=torch.Generator().manual_seed(seed))]
-    succ = {x: y for x, y in zip(order, order[1:] + order[:1])}
-    succ.update({0: 0, 1: 1, MASK: A, A: A})
-    return succ
-
-
-def _make_chain(weights: dict[str, torch.Tensor], succ: dict[int, int]) -> None:
-    """Embeddings and lm_head such that argmax(lm_head @ norm(embed[x])) == succ[x] with a wide margin.
-
-    Ordinary and fixed tokens get unit embeddings orthogonal to a direction c, A and the mask point
-    along c; lm_head[succ[x]] = embed[x] (the cosine of x with itself is 1, with any other < 1) and
-    lm_head[A] = c.
-    """
-    _scale_residual_writes(weights, 0.0)
-    _unit_final_norm(weights)
-    embed = weights["model.embed_tokens.weight"]
-    vocab, hidden = embed.shape
-    g = torch.Generator().manual_seed(7)
-    c = torch.randn(hidden, generator=g)
-    c /= c.norm()
-    rows = torch.randn(vocab, hidden, generator=g)
-    rows -= (rows @ c)[:, None] * c
-    rows /= rows.norm(dim=1, keepdim=True)
-    head = torch.zeros(vocab, hidden)
-    for x, y in succ.items():
-        if y != A:
-            head[y] = rows[x]
-    head[A] = c
-    for x in (A, MASK):
-        rows[x] = 3.0 * c + 0.1 * rows[x]
-    weights["model.embed_tokens.weight"] = rows * 0.5
-    weights["lm_head.weight"] = head
-
-
 @dataclass
 class Models:
     mixed: Path  # the context-dependent target, fp32
@@ -147,9 +94,7 @@ class Models:
 
 def _draft(root: Path, target_hf: Path, name: str, kind: str, factor: float, weight_format: str = "fp32",
            block_size: int = 4, num_layers: int = 2) -> Path:  # fmt: skip
-    hf = make_tiny_draft(root / f"hf-{name}", target_hf, kind=kind, block_size=block_size, num_layers=num_layers,
-                         markov_rank=0, seed=11)  # fmt: skip
-    _edit_weights(hf, lambda w: (_scale_residual_writes(w, factor), _unit_final_norm(w)))
+    hf = make_scaled_draft(root / f"hf-{name}", target_hf, kind, factor, block_size=block_size, num_layers=num_layers)
     return export_draft(hf, root / f"ov-{name}", weight_format=weight_format)
 
 
@@ -158,10 +103,8 @@ def models(tmp_path_factory) -> Models:
     root = tmp_path_factory.mktemp("speculative")
     # initializer_range 0.05 and layers at 10%: about half the greedy tokens equal the bigram guess.
     mixed_hf = make_tiny_target(root / "hf-mixed", "qwen3", seed=3, initializer_range=0.05)
-    _edit_weights(mixed_hf, lambda w: (_scale_residual_writes(w, 0.1), _unit_final_norm(w)))
-    chain_hf = make_tiny_target(root / "hf-chain", "qwen3", seed=5)
-    succ = _chain_successors(json.loads((chain_hf / "config.json").read_text())["vocab_size"], seed=1)
-    _edit_weights(chain_hf, lambda w: _make_chain(w, succ))
+    edit_weights(mixed_hf, lambda w: (scale_residual_writes(w, 0.1), unit_final_norm(w)))
+    chain_hf, succ = make_chain_target(root / "hf-chain")
     drafts = {
         "dspark_ctx": _draft(root, mixed_hf, "dspark_ctx", "dspark", 0.01),
         "dflash_ctx": _draft(root, mixed_hf, "dflash_ctx", "dflash", 1.0, block_size=5),
@@ -342,23 +285,6 @@ def ids_of(engine: LLMEngine, prompts: Sequence[str]) -> list[list[int]]:
 
 
 # ---- the chain target: acceptance under control ------------------------------------------------------
-
-
-def chain_of(succ: dict[int, int], last: int, n: int) -> list[int]:
-    out = []
-    for _ in range(n):
-        last = succ[last]
-        out.append(last)
-    return out
-
-
-def chain_prompts(succ: dict[int, int]) -> tuple[list[list[int]], list[list[int]]]:
-    """Prompts ending on an ordinary token (the cycle) and prompts ending on A (the constant)."""
-    ordinary = [t for t in succ if t not in SPECIALS and t != A]
-    rng = np.random.default_rng(0)
-    cycle = [[int(t) for t in rng.choice(ordinary, size=n)] for n in (5, 17, 40, 70)]
-    constant = [[int(t) for t in rng.choice(ordinary, size=n)] + [A] for n in (3, 33, 64)]
-    return cycle, constant
 
 
 def test_chain_target_follows_its_successors(models, engines):
