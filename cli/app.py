@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from . import bench as bench_cmd
+from . import eval_draft as eval_draft_cmd
 from . import export as export_cmd
 from . import generate as generate_cmd
 from . import train as train_cmd
@@ -51,6 +52,7 @@ app.command("validate", epilog=validate_cmd.EXAMPLES)(validate_cmd.validate)
 app.command("generate", epilog=generate_cmd.EXAMPLES)(generate_cmd.generate)
 app.command("train", epilog=train_cmd.EXAMPLES)(train_cmd.train)
 app.command("bench", epilog=bench_cmd.EXAMPLES)(bench_cmd.bench)
+app.command("eval-draft", epilog=eval_draft_cmd.EXAMPLES)(eval_draft_cmd.eval_draft)
 
 
 def main() -> None:

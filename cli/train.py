@@ -77,7 +77,7 @@ def train(
     ce_weight: Annotated[float, typer.Option("--ce-weight", help="Share of cross-entropy to the target's argmax in the loss (the rest is --loss).")] = 0.1,
     on_policy: Annotated[bool, typer.Option("--on-policy/--no-on-policy", help="Score only predictions on the target's own greedy chain (exact for greedy answers; what makes real text and sampled answers usable).")] = True,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the run saved in OUTPUT_DIR: weights, optimizer, schedule position, data order.")] = False,
-    stop_after: Annotated[Optional[float], typer.Option("--stop-after", help="End this session after about this many seconds, saving a resumable state (the schedule is not shortened).", show_default=False)] = None,
+    stop_after: Annotated[Optional[float], typer.Option("--stop-after", help="End this session about this many seconds after the command started (data loading included), saving a resumable state; the schedule is not shortened.", show_default=False)] = None,
     save_every: Annotated[Optional[float], typer.Option("--save-every", help="Write the checkpoint and the resumable state every this many seconds.", show_default=False)] = None,
     save_dtype: Annotated[SaveDtype, typer.Option("--save-dtype", help="Precision of the saved weights.")] = SaveDtype.float16,
     max_shard_mb: Annotated[Optional[float], typer.Option("--max-shard-mb", help="Split the weights into safetensors shards of at most this size.", show_default=False)] = None,
@@ -92,6 +92,9 @@ def train(
 
     Data: the target's own answers (chat template) to built-in prompts (coding and general instructions, no benchmark set) or to --prompts, or stretches of real text/code (--text-from); --data reuses files written earlier. Before training the data are decontaminated against benchmarks (--decontaminate, report in OUTPUT_DIR/decontamination.json), deduplicated (exact and near-duplicate answers) and split by prompt, so the held-out tau is measured on prompts training never saw. Training distils the target: random anchors, blocks of the anchor and mask tokens reading the target's hidden states, KL (or TV) to the target's distribution plus a little cross-entropy, with position decay; --kind dspark predicts from the anchor row and adds the Markov head. --resume continues a run; --stop-after / --save-every make a run fit in time slots. The checkpoint is in the z-lab (dflash) or DeepSpec (dspark) format that `dflash export` reads.
     """
+    import time
+
+    started = time.monotonic()
     output = Output(json_mode=json_output, quiet=quiet)
     with handled_errors(output, debug=debug):
         from dflash.core.errors import InputError
@@ -182,7 +185,8 @@ def train(
             return
 
         result = _train(loaded, data, output_dir, options, index, output, summary, eval_sequences=eval_sequences,
-                        dedup_threshold=dedup_threshold, resume=resume, stop_after=stop_after, save_every=save_every,
+                        dedup_threshold=dedup_threshold, resume=resume, save_every=save_every,
+                        stop_after=None if stop_after is None else max(1.0, stop_after - (time.monotonic() - started)),
                         eval_every=eval_every)
         summary["training"] = result.to_json()
         if json_output:

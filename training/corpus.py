@@ -14,6 +14,7 @@ its file, so the hold-out keeps a file on one side.
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
@@ -23,7 +24,8 @@ SKIP_PARTS = {"test", "tests", "testing", "__pycache__", "idlelib", "lib2to3", "
 
 
 def source_files(roots: Sequence[str | Path], suffixes: Sequence[str] = SUFFIXES, max_bytes: int = 400_000) -> list[Path]:
-    """Files under `roots` with one of `suffixes`, outside test folders, at most `max_bytes`, sorted."""
+    """Files under `roots` with one of `suffixes`, outside test folders, at most `max_bytes`, in a seeded
+    shuffled order (a token limit then samples every package, not the alphabetically first)."""
     files = []
     for root in roots:
         root = Path(root)
@@ -41,7 +43,9 @@ def source_files(roots: Sequence[str | Path], suffixes: Sequence[str] = SUFFIXES
             except OSError:
                 continue
             files.append(path)
-    return sorted(set(files))
+    files = sorted(set(files))
+    random.Random(0).shuffle(files)
+    return files
 
 
 def text_dataset(

@@ -212,7 +212,11 @@ def generate_dataset(
     encoded = [(index, ids) for index, ids in encoded if len(ids) <= max_prompt_tokens]
     if exclude is not None:
         encoded = [(index, ids) for index, ids in encoded if not exclude(ids)]
-    encoded.sort(key=lambda item: len(item[1]), reverse=True)
+    # Length-sorted within windows of a few batches (little padding), the windows in the given order: a
+    # time limit then leaves a sample of every kind of prompt, not only the longest ones.
+    window = batch_size * 4
+    encoded = [item for first in range(0, len(encoded), window)
+               for item in sorted(encoded[first : first + window], key=lambda item: len(item[1]), reverse=True)]
 
     out_file = Path(out_file)
     out_file.parent.mkdir(parents=True, exist_ok=True)

@@ -50,7 +50,7 @@ def _shingles(tokens: np.ndarray, size: int) -> np.ndarray:
         return np.unique((windows * powers).sum(axis=1, dtype=np.uint64))
 
 
-def minhash_signatures(examples: Sequence[Example], num_hashes: int = 32, shingle: int = 5, seed: int = 0) -> np.ndarray:
+def minhash_signatures(examples: Sequence[Example], num_hashes: int = 64, shingle: int = 5, seed: int = 0) -> np.ndarray:
     """[len(examples), num_hashes] MinHash signatures of each response's token shingles."""
     rng = np.random.default_rng(seed)
     a = rng.integers(1, 1 << 61, size=num_hashes, dtype=np.uint64)
@@ -64,7 +64,7 @@ def minhash_signatures(examples: Sequence[Example], num_hashes: int = 32, shingl
 
 
 def dedupe(
-    examples: Sequence[Example], *, threshold: float = 0.8, num_hashes: int = 32, bands: int = 8
+    examples: Sequence[Example], *, threshold: float = 0.8, num_hashes: int = 64, bands: int = 16
 ) -> tuple[list[Example], DedupStats]:
     """Examples without exact or near-duplicate answers (first occurrence kept), and what was dropped."""
     seen: set[tuple[int, ...]] = set()

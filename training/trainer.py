@@ -529,6 +529,7 @@ def train_draft(
     extra_info: dict[str, Any] | None = None,
     resume: bool = False,
     stop_after_s: float | None = None,
+    stop_after_steps: int | None = None,
     save_every_s: float | None = None,
     eval_every: int | None = None,
     eval_log_sequences: int = 64,
@@ -539,7 +540,8 @@ def train_draft(
     `log_every` steps. With `eval_examples`, the draft is evaluated (fixed anchors) before and after,
     and on the first `eval_log_sequences` of them every `eval_every` steps (default: every log).
     `resume` continues the run saved in `output_dir` (weights, optimizer, schedule, data order);
-    `stop_after_s` ends this session early (the schedule is not shortened: resume to finish it);
+    `stop_after_s` / `stop_after_steps` (the step count to reach) end this session early (the schedule
+    is not shortened: resume to finish it);
     `save_every_s` writes the checkpoint and the resumable state that often.
     """
     options = options.resolved()
@@ -636,7 +638,9 @@ def train_draft(
     progress = _progress(step, total_steps, trained_s, options.time_limit_s)
     result.finished = progress >= 1.0
     while progress < 1.0:
-        if stop_after_s is not None and time.monotonic() - session_start >= stop_after_s:
+        if (stop_after_s is not None and time.monotonic() - session_start >= stop_after_s) or (
+            stop_after_steps is not None and step >= stop_after_steps
+        ):
             result.finished = False
             break
         step_start = time.monotonic()

