@@ -24,7 +24,7 @@ def looks_like_path(text: str) -> bool:
 
 
 def check_model_dir(folder: Path, role: str) -> None:
-    """An exported model folder: present, complete, readable by OpenVINO."""
+    """An exported model folder: present, with its tokenizer (a target), complete, readable by OpenVINO."""
     if not folder.exists():
         raise InputError(f"no {role} folder {folder}", f"pass the {role} folder that `dflash export` wrote")
     if not folder.is_dir():
@@ -35,6 +35,11 @@ def check_model_dir(folder: Path, role: str) -> None:
         if (folder / "config.json").is_file():
             hint = f"this looks like a checkpoint, not an export: run `dflash export {folder} <output-dir>` first"
         raise InputError(f"{folder} has no {MODEL_XML}", hint)
+    if role == "target" and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise InputError(
+            f"{folder} has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])})",
+            "re-export the target with `dflash export` (it saves them), or copy them from the source model",
+        )
     from dflash.exporters.staging import check_complete
 
     problem = check_complete(folder)
@@ -45,11 +50,6 @@ def check_model_dir(folder: Path, role: str) -> None:
 
 def check_target_dir(folder: Path) -> None:
     check_model_dir(folder, "target")
-    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
-        raise InputError(
-            f"{folder} has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])})",
-            "re-export the target with `dflash export` (it saves them), or copy them from the source model",
-        )
 
 
 def check_draft_dir(draft: Path, target: Path) -> None:

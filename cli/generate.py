@@ -97,6 +97,7 @@ def generate(
         from dflash.core.errors import InputError
         from dflash.core.prompts import read_prompts_file
 
+        properties = parse_ov_config(ov_config)  # usage errors first, before any folder is read
         target_dir, draft, prompts = _resolve_models(target_dir, draft, prompts, default_draft, output)
         all_prompts = list(prompts or []) + (read_prompts_file(prompts_file) if prompts_file else [])
         if not all_prompts:
@@ -109,7 +110,7 @@ def generate(
         )  # fmt: skip
         config = EngineConfig(
             device=device,
-            ov_config=parse_ov_config(ov_config),
+            ov_config=properties,
             kv_cache_size_gib=kv_cache_size,
             enable_prefix_caching=prefix_caching,
             max_num_batched_tokens=max_num_batched_tokens,

@@ -141,9 +141,20 @@ def _load_sharded(path: Path, index_name: str) -> dict[str, Any]:
         raise ModelFormatError(
             f"cannot read {path / index_name}: {exc}", hint="the shard index needs a 'weight_map'"
         ) from exc
+    if not isinstance(weight_map, dict):
+        raise ModelFormatError(f"{path / index_name}: 'weight_map' is not an object", hint="re-download the checkpoint")
     state = {}
-    for shard in sorted(set(weight_map.values())):
-        state.update(_load_file(path / shard))
+    root = path.resolve()
+    for shard in sorted(set(map(str, weight_map.values()))):
+        file = (path / shard).resolve()
+        if root not in file.parents:  # an index must not make the export read files elsewhere ("../..")
+            raise ModelFormatError(
+                f"{path / index_name} names the shard {shard!r}, which is outside the checkpoint folder",
+                hint="a shard index lists file names inside the checkpoint folder; re-download the checkpoint",
+            )
+        if not file.is_file():
+            raise ModelFormatError(f"{path / index_name} names the shard {shard}, which is missing", hint="re-download the checkpoint")
+        state.update(_load_file(file))
     return state
 
 

@@ -110,7 +110,6 @@ def export_target(
                 ov_model = _compress(ov_model, ov_config.quantization_config, weight_format)
         _check_annotation(ov_model)
 
-        step("Saving")
         with interrupts.deferred(), saving(output_dir):
             # fp16 weights are already f16 constants; compressing again only keeps them so.
             ov.save_model(ov_model, stage / MODEL_XML, compress_to_fp16=weight_format == "fp16")
