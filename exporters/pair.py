@@ -36,6 +36,9 @@ def read_source_config(model: str | Path) -> dict:
         config_file = path / "config.json"
         if not config_file.is_file():
             raise InputError(f"{model} has no config.json", "pass a Hugging Face model folder or a hub id")
+    elif str(model).startswith((".", "/", "~")) or str(model).count("/") > 1:
+        # A hub id is `org/name` (or a bare legacy name); anything else that names no folder is a path.
+        raise InputError(f"no folder {model}", "pass a local model folder, or a hub id such as org/name")
     else:
         try:
             from huggingface_hub import hf_hub_download

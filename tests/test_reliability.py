@@ -69,6 +69,9 @@ CASES = [
     Case("bad_draft", "`--draft` that fails a `validate` check", 2, "fails the check"),
     Case("json_output_unwritable", "`bench --json` into a folder that cannot be created", 2, "cannot create .* for --json"),
     Case("huge_prompt", "a prompt longer than the model's context allows, in characters", 2, "characters, more than the model's"),
+    Case("failed_request_json", "`generate --json` with a request that fails (prompt too long for the model)", 1,
+         "req-0: .*max_model_len"),
+    Case("missing_export_source", "`export /tmp/nope OUT` (a path that does not exist)", 2, "no folder /tmp/nope"),
     Case("validate_staging", "`validate` on an export's staging folder", 1, "staging folder of an export that did not finish"),
 ]
 CASE = {case.key: case for case in CASES}
@@ -384,6 +387,23 @@ def test_prompts_are_capped_by_characters_before_tokenization(models, tmp_path):
     result = runner.invoke(app, ["generate", str(models["target"]), "--prompts-file", str(prompts)])
 
     assert_case("huge_prompt", result.exit_code, result.stderr)
+
+
+def test_a_failed_request_with_json_is_said_on_stderr(models, tmp_path):
+    prompts = tmp_path / "long.txt"
+    prompts.write_text("w " * 3000 + "\n")  # fewer characters than the cap, more tokens than the model holds
+
+    result = runner.invoke(app, ["generate", str(models["target"]), "--prompts-file", str(prompts), "--json", "--max-new-tokens", "2"])
+
+    assert_case("failed_request_json", result.exit_code, result.stderr)
+    (line,) = result.stdout.splitlines()
+    assert json.loads(line)["finish_reason"] == "error"
+
+
+def test_a_missing_export_source_is_not_looked_up_on_the_hub(tmp_path):
+    result = runner.invoke(app, ["export", "/tmp/nope", str(tmp_path / "out")])
+    assert_case("missing_export_source", result.exit_code, result.stderr)
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_half_written_folder_never_passes_validate(models, tmp_path):
