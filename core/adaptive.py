@@ -13,7 +13,7 @@ draft's fixed cost (one more inference per step) is paid once, by the whole step
 request drafts, so the choice is made jointly: every (request, position) slot is sorted by q, and the
 prefix of slots with the highest tokens / seconds is drafted, which may be none (zero candidates:
 the draft does not run this step at all; committed rows wait in the request's ledger and are caught
-up in one packed pass when it drafts again).
+up in one packed pass when it drafts again, a cost charged to its first candidate).
 
 q_r(i) is per request, so one request whose draft fails does not stop the others: decayed counts of
 its own verifications (recent steps weigh more: acceptance changes along a response), shrunk towards
@@ -99,18 +99,22 @@ class AcceptanceCounts:
             self.accepted[i] += 1.0 if i < num_accepted else 0.0
 
     def estimate(self, length: int, prior: Sequence[float] | None = None, prior_weight: float = 0.0) -> list[float]:
-        """q(0..length-1): counts shrunk towards `prior`, unmeasured positions extrapolated, and made
-        non-increasing (accepting position i needs every earlier one accepted)."""
+        """q(0..length-1): counts shrunk towards `prior`, made non-increasing (accepting position i
+        needs every earlier one accepted). A position this request never drafted continues from its
+        last estimate with the prior's ratio q(i) / q(i - 1) (how often the engine's drafts that got
+        that far went one further), or without a prior, with its own last ratio."""
         q: list[float] = []
         for i in range(length):
             drafted = self.drafted[i] if i < len(self.drafted) else 0.0
             accepted = self.accepted[i] if i < len(self.accepted) else 0.0
-            weight = prior_weight if prior is not None else 0.0
-            if drafted + weight <= 1e-9:
-                q.append(_extrapolate(q))
-                continue
-            prior_q = prior[i] if prior is not None else 0.0
-            q.append((accepted + weight * prior_q) / (drafted + weight))
+            if drafted <= 1e-9 and q:
+                q.append(q[-1] * _ratio(prior, i) if prior is not None else _extrapolate(q))
+            elif prior is not None and drafted + prior_weight > 1e-9:
+                q.append((accepted + prior_weight * prior[i]) / (drafted + prior_weight))
+            elif drafted > 1e-9:
+                q.append(accepted / drafted)
+            else:
+                q.append(prior[i] if prior is not None else _extrapolate(q))
         for i in range(1, length):
             q[i] = min(q[i], q[i - 1])
         return q
@@ -118,6 +122,10 @@ class AcceptanceCounts:
     @property
     def is_empty(self) -> bool:
         return not self.drafted
+
+
+def _ratio(prior: Sequence[float], i: int) -> float:
+    return min(1.0, prior[i] / prior[i - 1]) if prior[i - 1] > 0 else 0.0
 
 
 def _extrapolate(q: list[float]) -> float:
@@ -195,8 +203,8 @@ class AdaptiveSchedule:
 
         num_generating: requests whose seed rows the target verifies next step (drafting or not).
         candidate_offset: block rows before the first candidate row (1 for z-lab DFlash).
-        other_draft_rows: draft rows that run anyway if the draft runs (pending rows of paused
-            requests ride along; other schedules' blocks).
+        other_draft_rows: draft rows that run anyway (other schedules' windows); 0: the draft runs
+            only if this schedule drafts.
         """
         self._num_steps += 1
         if not candidates:
@@ -231,18 +239,19 @@ class AdaptiveSchedule:
             ((q, c) for c in candidates for q in self.estimate(c.req_id, c.cap)),
             key=lambda slot: -slot[0],
         )  # each request's q is non-increasing, so a prefix of slots is a prefix of each block
-        pending = sum(c.num_pending_rows for c in candidates) + other_draft_rows
         base_seconds = self.target_cost.seconds(num_generating)
         if other_draft_rows:  # the draft runs anyway (other schedules' blocks)
-            base_seconds += self.draft_cost.seconds(pending)
+            base_seconds += self.draft_cost.seconds(other_draft_rows)
         best_rate, best_len = num_generating / base_seconds, 0
-        tokens, rows, block_rows, drafting = float(num_generating), num_generating, 0, set()
+        tokens, rows, draft_rows, drafting = float(num_generating), num_generating, other_draft_rows, set()
         for length, (q, c) in enumerate(slots, start=1):
             tokens += q
             rows += 1
-            block_rows += 1 + (offset if c.req_id not in drafting else 0)
-            drafting.add(c.req_id)
-            seconds = self.target_cost.seconds(rows) + self.draft_cost.seconds(pending + block_rows)
+            draft_rows += 1
+            if c.req_id not in drafting:  # its first candidate: its block's other rows, and the
+                drafting.add(c.req_id)  # committed rows it has not read yet (caught up now)
+                draft_rows += offset + c.num_pending_rows
+            seconds = self.target_cost.seconds(rows) + self.draft_cost.seconds(draft_rows)
             if tokens / seconds > best_rate:
                 best_rate, best_len = tokens / seconds, length
         ks = {c.req_id: 0 for c in candidates}

@@ -16,9 +16,9 @@ One draft step, after each target step (`DFlashDrafter.step`):
     observe      the verdicts: acceptance for the schedules
     ingest       the committed target hidden rows go to each request's ledger
     plan         each request's schedule says how many candidates it drafts (0 is a choice)
-    run          if any request drafts: one packed inference over every window (requests that do
-                 not draft this step bring their pending rows along, with no block); otherwise none,
-                 and the pending rows wait to be caught up in one pass later
+    run          if any request drafts: one packed inference over the windows of the requests that
+                 draft (each catches up on the committed rows it has not read, then its block);
+                 otherwise none. A request that does not draft keeps its rows pending.
     select       candidates from the candidate rows (argmax, or the DSpark Markov head)
 
 A request whose draft cannot go on (draft cache full, rows missing from the ledger) stops drafting
@@ -208,7 +208,7 @@ class DFlashDrafter:
         return self.spec.max_candidates if wanted is None else min(wanted, self.spec.max_candidates)
 
     def _plan(self, requests: list[Request]) -> list[_Window]:
-        """Each schedule decides for its requests; windows for every request if the draft runs."""
+        """Each schedule decides for its requests; a window for each request that drafts."""
         by_schedule: dict[str, list[Candidate]] = {}
         for request in requests:
             if self._may_draft(request):
@@ -219,16 +219,21 @@ class DFlashDrafter:
         for name in ("constant", "heuristic"):
             blocks.update(self.schedules[name].plan(by_schedule.get(name, ())))
         offset = self.spec.candidate_position_offset
-        others = sum(k + offset for k in blocks.values() if k)
+        others = sum(c.num_pending_rows + k + offset for name in ("constant", "heuristic")
+                     for c in by_schedule.get(name, ()) if (k := blocks[c.req_id]))  # fmt: skip
         blocks.update(self.adaptive.plan(by_schedule.get("adaptive", ()), num_generating=len(requests),
                                          candidate_offset=offset, other_draft_rows=others))  # fmt: skip
         self.stats.num_decisions += len(blocks)
         self.stats.num_drafting += sum(1 for k in blocks.values() if k)
-        must_read = any(s.num_pending > self._max_pending_rows for s in self._states.values() if s.enabled)
-        if not any(blocks.values()) and not must_read:
-            return []  # nobody drafts: pending rows wait for the next draft step
-        windows = [w for w in (self._window(r, blocks.get(r.req_id, 0)) for r in requests) if w is not None]
-        return windows
+        # Only requests that draft read their pending rows (a request that stays paused until it ends
+        # never costs the draft anything); past MAX_PENDING_BYTES a request reads them anyway.
+        windows = [self._window(r, blocks.get(r.req_id, 0)) for r in requests
+                   if blocks.get(r.req_id) or self._pending_is_full(r)]  # fmt: skip
+        return [w for w in windows if w is not None]
+
+    def _pending_is_full(self, request: Request) -> bool:
+        state = self._states.get(request.req_id)
+        return state is not None and state.enabled and state.num_pending > self._max_pending_rows
 
     def _window(self, request: Request, block: int) -> _Window | None:
         state = self._states.get(request.req_id)

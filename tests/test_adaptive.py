@@ -118,3 +118,11 @@ def test_a_paused_request_is_probed_with_waits_that_double():
     gaps = [b - a for a, b in itertools.pairwise(probes)]
     assert probes[0] < 4  # the first probe within probe_after steps
     assert gaps == sorted(gaps) and gaps[0] >= 8 and gaps[-3:] == [16, 16, 16]  # waits double, up to the cap
+
+
+def test_positions_a_request_never_drafted_follow_the_prior_ratio():
+    counts = AcceptanceCounts(decay=1.0)
+    counts.observe(2, 2)
+    q = counts.estimate(4, prior=[0.4, 0.2, 0.2, 0.1], prior_weight=2.0)
+    # measured positions: (1 + 2 * 0.4) / 3 and (1 + 2 * 0.2) / 3; then the prior's ratios 1.0 and 0.5
+    assert q == pytest.approx([0.6, 1.4 / 3, 1.4 / 3, 0.7 / 3])
