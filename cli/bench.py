@@ -118,13 +118,16 @@ def bench(
         )  # fmt: skip
         with _LiveProgress(output) as progress:
             report = run_bench(options, progress)
-        _print_tables(report, output)
-        if json_file is not None:
-            _write_json(report, json_file)
-            output.info(f"[dim]wrote {escape(str(json_file))}[/dim]")
-        if plot is not None and report.settings:
-            plot_report(report, plot)
-            output.info(f"[dim]wrote {escape(str(plot))}[/dim]")
+        from dflash.exporters import interrupts
+
+        with interrupts.deferred():  # a signal now waits until the figures are written
+            _print_tables(report, output)
+            if json_file is not None:
+                _write_json(report, json_file)
+                output.info(f"[dim]wrote {escape(str(json_file))}[/dim]")
+            if plot is not None and report.settings:
+                plot_report(report, plot)
+                output.info(f"[dim]wrote {escape(str(plot))}[/dim]")
     if report.status == "interrupted":
         from dflash.exporters.interrupts import exit_code, interrupted_by
 
