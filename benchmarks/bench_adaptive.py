@@ -33,9 +33,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash.core.bench import run_with_concurrency
-from dflash.core.config import SamplingParams
+from dflash.core.config import EXACT_OV_CONFIG, SamplingParams
 from dflash.core.engine import EngineConfig, LLMEngine
-from dflash.exporters.constructed import A, chain_prompts, make_chain_target, make_scaled_draft
+from dflash.exporters.constructed import (
+    A,
+    chain_prompts,
+    make_chain_target,
+    make_scaled_draft,
+)
 from dflash.exporters.draft import export_draft
 from dflash.exporters.draft_checkpoint import make_tiny_draft
 from dflash.exporters.target import export_target
@@ -43,7 +48,7 @@ from dflash.exporters.tiny import make_tiny_target
 
 CONFIGS = ("target", "constant", "adaptive")
 # f32: outputs do not depend on how many rows share a step, so "= target" is an exact check.
-F32 = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
+F32 = EXACT_OV_CONFIG
 
 
 @dataclass

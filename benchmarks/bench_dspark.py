@@ -51,11 +51,11 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash.core.config import SamplingParams
+from dflash.core.config import EXACT_OV_CONFIG, SamplingParams
 from dflash.core.engine import EngineConfig, LLMEngine
 
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dflash" / "bench"
-F32 = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
+F32 = EXACT_OV_CONFIG
 PAIRS = ("tiny-random", "tiny-decided", "smollm2-bigram")
 
 

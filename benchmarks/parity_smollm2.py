@@ -20,13 +20,13 @@ from pathlib import Path
 
 import torch
 
-from dflash.core.config import SamplingParams
+from dflash.core.config import EXACT_OV_CONFIG, SamplingParams
 from dflash.core.engine import EngineConfig, LLMEngine
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_engine import DEFAULT_CACHE, first_divergence, humaneval_prompts, smollm2_targets  # noqa: E402
 
-F32 = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
+F32 = EXACT_OV_CONFIG
 CHAT_PROMPTS = [
     "What is the capital of France?",
     "Write a Python function that checks whether a number is prime.",

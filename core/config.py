@@ -25,6 +25,10 @@ def _require_non_negative_int(name: str, value: object) -> None:
         raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
 
 
+# OpenVINO properties for exact, batch-independent inference on the CPU: f32 compute and f32 KV caches.
+EXACT_OV_CONFIG = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
+
+
 def is_exact_inference(ov_config: dict[str, str] | None) -> bool:
     """The caller asked for f32 inference (INFERENCE_PRECISION_HINT=f32): exact, batch-independent outputs."""
     return str((ov_config or {}).get("INFERENCE_PRECISION_HINT", "")).lower() in ("f32", "float32")

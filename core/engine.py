@@ -33,8 +33,8 @@ import numpy as np
 from .block_pool import BlockPool
 from .config import EngineConfig, SamplingParams
 from .detokenizer import IncrementalDetokenizer
-from .drafter import Candidates, NoDrafter, TargetStep
 from .draft_runner import DraftRunner, read_draft_spec
+from .drafter import Candidates, NoDrafter, TargetStep
 from .errors import InputError
 from .kv_cache_manager import KVCacheManager
 from .markov import load_markov_head

@@ -35,7 +35,6 @@ from dflash.exporters.draft_format import SUPPORTED_MARKOV_HEAD_TYPES as SUPPORT
 from .config import compile_properties
 from .errors import InputError, ModelFormatError
 
-
 _REEXPORT_HINT = "re-export the draft with `dflash export` (it writes the Markov head next to the backbone)"
 
 

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 import dflash.core.bench as core_bench
 from dflash.cli.bench import bench
-from dflash.core.config import SamplingParams
+from dflash.core.config import EXACT_OV_CONFIG, SamplingParams
 from dflash.core.engine import EngineConfig, LLMEngine
 from dflash.core.metrics import SpecDecodingStats
 from dflash.exporters.draft import export_draft
@@ -26,7 +26,7 @@ from dflash.exporters.draft_checkpoint import make_tiny_draft
 from dflash.exporters.target import export_target
 from dflash.exporters.tiny import make_tiny_target
 
-F32 = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
+F32 = EXACT_OV_CONFIG
 F32_ARGS = ["--ov-config", "INFERENCE_PRECISION_HINT=f32", "--ov-config", "KV_CACHE_PRECISION=f32"]
 PROMPTS = ["Hello, world!", "def add(a, b):", "The quick brown fox jumps over the lazy dog."]
 NEW_TOKENS = 8

@@ -19,6 +19,7 @@ import openvino as ov
 import pytest
 import torch
 
+from dflash.core.config import EXACT_OV_CONFIG
 from dflash.core.paged import (
     SequenceSlice,
     allocate_kv_caches,
@@ -33,7 +34,7 @@ from dflash.exporters.draft_checkpoint import load_draft_weights, make_tiny_draf
 from dflash.exporters.draft_config import DraftConfig, load_draft_config
 from dflash.exporters.tiny import make_tiny_target
 
-F32 = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
+F32 = EXACT_OV_CONFIG
 
 DRAFTS = {
     # name: make_tiny_draft arguments. The tiny target has 4 query / 2 KV heads, so all drafts are GQA.

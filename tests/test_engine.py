@@ -21,14 +21,14 @@ import openvino as ov
 import pytest
 import torch
 
-from dflash.core.config import SamplingParams
+from dflash.core.config import EXACT_OV_CONFIG, SamplingParams
 from dflash.core.engine import EngineConfig, GenerationResult, LLMEngine
 from dflash.core.errors import InputError
 from dflash.core.request import Request
 from dflash.exporters.target import export_target
 from dflash.exporters.tiny import _CORPUS, make_tiny_target
 
-F32 = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
+F32 = EXACT_OV_CONFIG
 NEW_TOKENS = 32
 LLAMA_MAX_POSITIONS = 96
 

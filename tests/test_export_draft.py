@@ -19,6 +19,7 @@ import torch
 from openvino import opset13
 from openvino._offline_transformations import paged_attention_transformation
 
+from dflash.core.config import EXACT_OV_CONFIG
 from dflash.core.errors import InputError, ModelFormatError
 from dflash.exporters.draft import (
     DRAFT_MODEL_FILE,
@@ -26,13 +27,22 @@ from dflash.exporters.draft import (
     read_draft_metadata,
 )
 from dflash.exporters.draft_checkpoint import load_draft_weights, make_tiny_draft
-from dflash.exporters.draft_config import build_target_layer_ids, load_draft_config, parse_draft_config
+from dflash.exporters.draft_config import (
+    build_target_layer_ids,
+    load_draft_config,
+    parse_draft_config,
+)
 from dflash.exporters.draft_model import load_draft_model
-from dflash.exporters.markov_head import MARKOV_HEAD_FILE, MarkovHead, convert_markov_head, markov_head_part
+from dflash.exporters.markov_head import (
+    MARKOV_HEAD_FILE,
+    MarkovHead,
+    convert_markov_head,
+    markov_head_part,
+)
 from dflash.exporters.tiny import make_tiny_target
 
 # The stateful CPU plugin keeps its KV cache in a reduced precision unless told otherwise.
-F32 = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
+F32 = EXACT_OV_CONFIG
 ATOL = 1e-4
 
 # name -> make_tiny_draft arguments. Together they cover both source layouts, GQA and plain MHA,

@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
-from dflash.core.config import SamplingParams
+from dflash.core.config import EXACT_OV_CONFIG, SamplingParams
 from dflash.core.engine import EngineConfig, GenerationResult, LLMEngine
 from dflash.core.errors import InputError, ModelFormatError
 from dflash.core.markov import (
@@ -48,7 +48,7 @@ from dflash.exporters.draft_checkpoint import make_tiny_draft
 from dflash.exporters.target import export_target
 from dflash.exporters.tiny import _CORPUS, make_tiny_target
 
-F32 = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
+F32 = EXACT_OV_CONFIG
 VOCAB = 512
 BLOCK_SIZE = 5
 RANK = 16

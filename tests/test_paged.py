@@ -13,6 +13,7 @@ import pytest
 import torch
 from openvino.op.util import Variable, VariableInfo
 
+from dflash.core.config import EXACT_OV_CONFIG
 from dflash.core.errors import ExportError, ModelFormatError
 from dflash.core.paged import (
     SequenceSlice,
@@ -27,7 +28,7 @@ from dflash.core.paged import (
 from dflash.exporters.target import export_target
 from dflash.exporters.tiny import make_tiny_target
 
-F32 = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
+F32 = EXACT_OV_CONFIG
 WINDOW = 8
 LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
 

@@ -18,7 +18,7 @@ import openvino as ov
 import pytest
 import torch
 
-from dflash.core.config import SamplingParams
+from dflash.core.config import EXACT_OV_CONFIG, SamplingParams
 from dflash.core.engine import EngineConfig, LLMEngine
 from dflash.core.errors import ExportError, InputError
 from dflash.exporters.hidden_states import read_hidden_state_locators
@@ -31,7 +31,7 @@ from dflash.exporters.smollm2 import (
 from dflash.exporters.target import export_target
 
 # Exact comparisons: f32 compute and an f32 KV cache (this CPU defaults to bf16).
-F32 = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
+F32 = EXACT_OV_CONFIG
 NUM_NEW_TOKENS = 24
 
 ROUND_TRIP = [

@@ -39,16 +39,20 @@ import numpy as np
 import openvino as ov
 import pytest
 
-from dflash.core.config import SamplingParams
+from dflash.core.config import EXACT_OV_CONFIG, SamplingParams
 from dflash.core.engine import EngineConfig, GenerationResult, LLMEngine, RequestOutput
-from dflash.core.graph import find_embedding_gather, find_lm_head, graft_embedding, graft_lm_head
+from dflash.core.graph import (
+    find_embedding_gather,
+    find_lm_head,
+    graft_embedding,
+    graft_lm_head,
+)
 from dflash.core.metrics import SpecDecodingStats
 from dflash.core.model_runner import read_ov_model
 from dflash.core.request import Request
-from dflash.exporters.draft import export_draft
 from dflash.exporters.constructed import (
-    A,
     MASK,
+    A,
     chain_of,
     chain_prompts,
     edit_weights,
@@ -57,10 +61,11 @@ from dflash.exporters.constructed import (
     scale_residual_writes,
     unit_final_norm,
 )
+from dflash.exporters.draft import export_draft
 from dflash.exporters.target import export_target
 from dflash.exporters.tiny import _CORPUS, make_tiny_target
 
-F32 = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
+F32 = EXACT_OV_CONFIG
 NEW_TOKENS = 24
 EOS = 2  # <|im_end|>
 SPECIALS = (0, 1, EOS, MASK)  # never in the chain prompts; <|endoftext|>, <|im_start|> map to themselves
