@@ -87,7 +87,7 @@ def generate(
 ) -> None:
     """Generate text for one or many prompts with continuous batching.
 
-    One prompt streams to the terminal; many show a progress bar, then each result. With --json, one JSON object per request: id, prompt, text, token ids, number of generated tokens, finish reason, TTFT and TPOT.
+    One prompt streams to the terminal; many show a progress bar, then each result. With --json, one JSON line per request as it finishes (flushed at once): id, prompt, text, token ids, number of generated tokens, finish reason, TTFT and TPOT. SIGINT/SIGTERM stop the run: the running requests get a line with finish reason "abort", a last line says {"status": "interrupted", ...}, exit 130/143.
     """
     output = Output(json_mode=json_output, quiet=quiet)
     run = _Run(output)
@@ -124,6 +124,8 @@ def generate(
         use_chat = chat if chat is not None else bool(getattr(engine.tokenizer, "chat_template", None))
         run.streamed = len(all_prompts) == 1 and not json_output
         run.num_requests = len(all_prompts)
+        # SIGINT, SIGTERM or a failure mid-run: what finished is already written (--json) or is printed
+        # by close(), so nothing is lost; a signal during close() is recorded, not raised.
         try:
             if run.streamed:
                 _stream_one(engine, all_prompts[0], params, use_chat, run)
@@ -135,8 +137,6 @@ def generate(
         except BaseException:
             run.close(engine, interrupted=False)
             raise
-        # SIGINT, SIGTERM or a failure mid-run: what finished is already written (--json) or is printed
-        # by close(), so nothing is lost; a signal during close() is recorded, not raised.
         run.close(engine, interrupted=False)
     if run.num_failed:
         raise typer.Exit(1)
