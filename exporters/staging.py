@@ -98,9 +98,10 @@ def check_output_dir(
     held = export_kind(output_dir)
     what = f"a dflash {held} export" if held else f"other files ({shown})"
     expected = "a target and a draft folder" if kind == "pair" else f"a previous {kind} export"
+    replace = "write target/ and draft/ into it anyway (other files stay)" if kind == "pair" else "replace it"
     raise InputError(
         f"{output_dir} is not empty: it holds {what}, not {expected}",
-        "pass --overwrite to replace it, or choose a new or empty folder",
+        f"pass --overwrite to {replace}, or choose a new or empty folder",
     )
 
 
