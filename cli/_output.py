@@ -26,9 +26,13 @@ class Output:
 
     # -- data (stdout) -------------------------------------------------------------------------
     def json(self, data: Any) -> None:
-        """Print one JSON document on stdout (no markup, no wrapping)."""
-        sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
-        sys.stdout.flush()
+        """Print one JSON document on stdout (no markup, no wrapping), whole: a signal waits for it."""
+        from dflash.exporters import interrupts
+
+        text = json.dumps(data, indent=2, default=str) + "\n"
+        with interrupts.deferred():
+            sys.stdout.write(text)
+            sys.stdout.flush()
 
     def data(self, renderable: Any) -> None:
         """A human-readable result (a table, a line) on stdout."""
