@@ -11,8 +11,8 @@
 #
 # Knobs (environment): DRAFTS (name:kind:layers:target_layers:block, space separated), CALL_S (seconds this call may
 # take, 555), GEN_S (generation seconds, 170), GEN_PROCS (4), GEN_BATCH (768), MAX_NEW (256), TEXT_TOKENS (real
-# text/code tokens, 6000000), TOTAL_TRAIN_S (the schedule's length in training seconds, summed over calls, 750),
-# MARKOV_RANK (32), BATCH (16), ANCHORS (96); for a dry run elsewhere: PY (python3), DEVICE (cuda), PYROOT (where
+# text/code tokens, 6000000), TOTAL_TRAIN_S (the schedule's length in training seconds, summed over calls, 680),
+# MARKOV_RANK (32), BATCH (16), ANCHORS (64); for a dry run elsewhere: PY (python3), DEVICE (cuda), PYROOT (where
 # the Python sources for text and stubs live).
 set -euo pipefail
 
@@ -28,10 +28,10 @@ GEN_PROCS=${GEN_PROCS:-4}
 GEN_BATCH=${GEN_BATCH:-768}
 MAX_NEW=${MAX_NEW:-256}
 TEXT_TOKENS=${TEXT_TOKENS:-6000000}
-TOTAL_TRAIN_S=${TOTAL_TRAIN_S:-750}
+TOTAL_TRAIN_S=${TOTAL_TRAIN_S:-680}
 MARKOV_RANK=${MARKOV_RANK:-32}
 BATCH=${BATCH:-16}
-ANCHORS=${ANCHORS:-96}
+ANCHORS=${ANCHORS:-64}
 PY=${PY:-python3}
 DEVICE=${DEVICE:-cuda}
 OUT=${OUT:-$DEV/out}
@@ -126,7 +126,7 @@ from dflash.training.prompts import builtin_prompts, library_prompts
 dev, count = sys.argv[1], int(sys.argv[2])
 paths = sysconfig.get_paths()
 root = os.environ.get("PYROOT") or " ".join(sorted({paths["stdlib"], paths["purelib"]}))
-stubs = library_prompts(root.split(), limit=40000, seed=0, max_files=int(os.environ.get("STUB_FILES", "3000")))
+stubs = library_prompts(root.split(), limit=40000, seed=0, max_files=int(os.environ.get("STUB_FILES", "4000")))
 chat = builtin_prompts()
 prompts = chat + stubs
 random.Random(0).shuffle(prompts)
@@ -140,10 +140,20 @@ print(f"{len(chat)} built-in + {len(stubs)} stub prompts from {root} in {count} 
 EOF
   local pids=() bench
   bench=$(benchmarks)
+  local gen_end=$(( $(date +%s) + GEN_S ))
   for i in $(seq 0 $((GEN_PROCS - 1))); do
-    "$PY" -m dflash.cli.train "$DEV/smollm2-hf" "$DEV/gen$i" --data-only --prompts "$DEV/prompts$i.jsonl" \
-      --generate-data 1000000 --save-data "$DEV/data$i.jsonl" --max-new-tokens "$MAX_NEW" --gen-batch-size "$GEN_BATCH" \
-      --gen-time-limit "$GEN_S" --ignore-eos --seed "$i" --device "$DEVICE" $bench --json > "$DEV/gen$i.json" 2> "$DEV/gen$i.log" &
+    (  # a greedy pass over the shard; time left over goes to sampled answers (T 0.8) to the same prompts
+      "$PY" -m dflash.cli.train "$DEV/smollm2-hf" "$DEV/gen$i" --data-only --prompts "$DEV/prompts$i.jsonl" \
+        --generate-data 1000000 --save-data "$DEV/data$i.jsonl" --max-new-tokens "$MAX_NEW" --gen-batch-size "$GEN_BATCH" \
+        --gen-time-limit "$GEN_S" --ignore-eos --seed "$i" --device "$DEVICE" $bench --json > "$DEV/gen$i.json" 2> "$DEV/gen$i.log"
+      left=$(( gen_end - $(date +%s) ))
+      if [ "$left" -gt 30 ]; then
+        "$PY" -m dflash.cli.train "$DEV/smollm2-hf" "$DEV/gen$i" --data-only --prompts "$DEV/prompts$i.jsonl" \
+          --generate-data 1000000 --save-data "$DEV/data${i}s.jsonl" --max-new-tokens "$MAX_NEW" --gen-batch-size "$GEN_BATCH" \
+          --gen-time-limit $((left - 15)) --temperature 0.8 --ignore-eos --seed "$((i + 100))" --device "$DEVICE" $bench \
+          --json > "$DEV/gen${i}s.json" 2>> "$DEV/gen$i.log"
+      fi
+    ) &
     pids+=($!)
   done
   # Real text and code, teacher-forced (no generation): this machine's Python sources, docs and READMEs.

@@ -371,18 +371,20 @@ def compute_loss(
         if draft.markov_head is not None:
             logits = logits + draft.markov_head(previous[rows]).float()
     row_labels = labels[rows]
-    per_row = F.cross_entropy(logits, row_labels, reduction="none")
+    student_logp = logits.log_softmax(-1)
+    per_row = -student_logp.gather(-1, row_labels[:, None]).squeeze(-1)  # cross-entropy to the teacher's argmax
     if loss != "ce" and ce_weight < 1.0:
-        per_row = ce_weight * per_row
         with torch.no_grad():
             teacher_pos = (batch.anchors[..., None] + torch.arange(num_predictions, device=device))[rows]
             teacher_logp = target.lm_head(final_hidden[rows[0], teacher_pos]).float().log_softmax(-1)
-        student_logp = logits.log_softmax(-1)
-        if loss == "kl":
-            divergence = (teacher_logp.exp() * (teacher_logp - student_logp)).sum(-1)
+            teacher_p = teacher_logp.exp()
+            entropy = -(teacher_p * teacher_logp).sum(-1)
+            del teacher_logp
+        if loss == "kl":  # KL(teacher || draft) = soft cross-entropy - the teacher's entropy (no gradient)
+            divergence = -(teacher_p * student_logp).sum(-1) - entropy
         else:  # total variation
-            divergence = 0.5 * (teacher_logp.exp() - student_logp.exp()).abs().sum(-1)
-        per_row = per_row + (1.0 - ce_weight) * divergence
+            divergence = 0.5 * (teacher_p - student_logp.exp()).abs().sum(-1)
+        per_row = ce_weight * per_row + (1.0 - ce_weight) * divergence
     weights = torch.exp(-rows[2].float() / gamma)
     ce_sum = (per_row * weights).sum()
     weight_sum = weights.sum()
