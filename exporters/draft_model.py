@@ -10,8 +10,16 @@ rows [context; block] with `token_type_ids` 0 (context) or 1 (block), and in eve
 
 followed by attention under a mask built from `token_type_ids` (causal for context rows, bidirectional
 among the block rows of the call, sliding window on sliding layers), the residual, MLP and residual.
-Context rows' queries and outputs are computed but meaningless; the output is zeroed there. Block rows
-get exactly the original DFlash result, and each row's keys/values are those the original caches.
+Block rows get exactly the original DFlash result, and each row's keys/values are those the original
+caches.
+
+A context row needs nothing of a layer but its keys and values (its next-layer input is the target
+projection again, and its output is zeroed), so only block rows carry a residual stream: after
+attention, the block rows are gathered (NonZero of `token_type_ids`) and only they go through o_proj,
+the residual and the MLP. A layer's input row r reads the block row before it in the call through a
+running count of block rows (CumSum), which the Select then ignores on context rows. Context rows
+(the draft's prefill, catch-up after a pause, committed rows each step) cost their projections and
+attention only.
 """
 
 from __future__ import annotations
@@ -77,7 +85,8 @@ def build_row_mask(
 
 
 class DraftAttention(nn.Module):
-    """Qwen3 attention (q/k norms, RoPE, GQA) over past ++ new keys, with an explicit mask."""
+    """Qwen3 attention (q/k norms, RoPE, GQA) over past ++ new keys, with an explicit mask; o_proj
+    only on the rows `rows` selects (flat indices into the call's B * T rows)."""
 
     def __init__(self, config: DraftConfig):
         super().__init__()
@@ -93,7 +102,7 @@ class DraftAttention(nn.Module):
         self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, mask, past_key, past_value):
+    def forward(self, x, cos, sin, mask, past_key, past_value, rows):
         batch, num_rows, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(batch, num_rows, self.num_heads, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(batch, num_rows, self.num_kv_heads, self.head_dim)).transpose(1, 2)
@@ -106,8 +115,8 @@ class DraftAttention(nn.Module):
         out = nn.functional.scaled_dot_product_attention(
             q, self._repeat_kv(keys), self._repeat_kv(values), attn_mask=mask, scale=self.head_dim**-0.5
         )
-        out = out.transpose(1, 2).reshape(batch, num_rows, self.num_heads * self.head_dim)
-        return self.o_proj(out), keys, values
+        out = out.transpose(1, 2).reshape(batch * num_rows, self.num_heads * self.head_dim)
+        return self.o_proj(out.index_select(0, rows)), keys, values
 
     def _repeat_kv(self, t: torch.Tensor) -> torch.Tensor:
         n_rep = self.num_heads // self.num_kv_heads
@@ -126,13 +135,23 @@ class DraftLayer(nn.Module):
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, h, ctx, is_block, cos, sin, mask, past_key, past_value):
+    def forward(self, h, ctx, is_block, rows, row_of, cos, sin, mask, past_key, past_value):
+        """h: [num_block_rows, H], the residual stream of the block rows; returns it after the layer."""
+        batch, num_rows, width = ctx.shape
         # Context rows take the (unnormalised per layer) target projection, block rows their own state.
-        x = torch.where(is_block, self.input_layernorm(h), ctx)
-        attn, keys, values = self.self_attn(x, cos, sin, mask, past_key, past_value)
+        own = self.input_layernorm(_row_view(h, row_of)).view(batch, num_rows, width)
+        x = torch.where(is_block, own, ctx)
+        attn, keys, values = self.self_attn(x, cos, sin, mask, past_key, past_value, rows)
         h = h + attn
         h = h + self.mlp(self.post_attention_layernorm(h))
         return h, keys, values
+
+
+def _row_view(h: torch.Tensor, row_of: torch.Tensor) -> torch.Tensor:
+    """[B * T, H]: for each row of the call, the block row at or before it (a zero row before the first).
+    Exact on block rows; on context rows a placeholder that the caller's Select discards."""
+    padded = torch.cat([torch.zeros_like(h[:1]), h], dim=0)
+    return padded.index_select(0, row_of)
 
 
 class DraftModel(nn.Module):
@@ -169,19 +188,24 @@ class DraftModel(nn.Module):
         """
         if past_key_values is None:
             past_key_values = self.empty_cache(inputs_embeds.shape[0])
+        batch, num_rows, width = inputs_embeds.shape
         ctx = self.hidden_norm(self.fc(hidden_states))
         is_block = (token_type_ids == 1)[..., None]
+        flat_is_block = (token_type_ids == 1).reshape(-1)
+        rows = torch.nonzero(flat_is_block).reshape(-1)  # the block rows, flat [num_block_rows]
+        row_of = torch.cumsum(flat_is_block.to(torch.int64), dim=0)  # 1 + block rows before, per row
         cos, sin = self.rotary_emb(inputs_embeds, position_ids)
         masks = {
             window: build_row_mask(token_type_ids, attention_mask, window, inputs_embeds.dtype)
             for window in {layer.sliding_window for layer in self.layers}
         }
-        h = inputs_embeds
+        h = inputs_embeds.reshape(batch * num_rows, width).index_select(0, rows)
         presents = []
         for layer, (past_key, past_value) in zip(self.layers, past_key_values):
-            h, keys, values = layer(h, ctx, is_block, cos, sin, masks[layer.sliding_window], past_key, past_value)
+            h, keys, values = layer(h, ctx, is_block, rows, row_of, cos, sin, masks[layer.sliding_window], past_key, past_value)
             presents.append((keys, values))
-        out = torch.where(is_block, self.norm(h), torch.zeros((), dtype=h.dtype))
+        out = _row_view(self.norm(h), row_of).view(batch, num_rows, width)
+        out = torch.where(is_block, out, torch.zeros((), dtype=out.dtype))
         return out, presents
 
 
