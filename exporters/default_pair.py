@@ -26,7 +26,10 @@ TARGET_WEIGHT_FORMAT = "int8"
 DRAFT_WEIGHT_FORMAT = "fp16"
 CACHE_ENV = "DFLASH_CACHE_DIR"
 _STAMP = "dflash_export_done.json"
-_VERSION = 1  # bump when the export recipe changes, so stale caches are rebuilt
+_VERSION = 1  # bump when the target's export recipe changes, so stale caches are rebuilt
+# The draft's export recipe (2: only block rows carry a residual stream); its cache is also rebuilt
+# when the shipped checkpoint changes (a fingerprint of its files is in the stamp).
+_DRAFT_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -55,23 +58,37 @@ def ensure_default_pair(kind: str = "dflash", *, on_step: Callable[[str], None] 
     step = on_step or (lambda message: None)
     root = cache_dir() / "default"
     target_dir = _ensure(root / f"{TARGET_NAME}-{TARGET_WEIGHT_FORMAT}", lambda out: _export_target(out, step), step)
+    source = DRAFTS_DIR / DRAFTS[kind]
     draft_dir = _ensure(
         root / f"{DRAFTS[kind]}-{DRAFT_WEIGHT_FORMAT}",
-        lambda out: _export_draft(DRAFTS_DIR / DRAFTS[kind], out, step),
+        lambda out: _export_draft(source, out, step),
         step,
+        version=f"{_DRAFT_VERSION}-{_fingerprint(source)}",
     )
     return DefaultPair(target_dir, draft_dir, kind)
 
 
-def _ensure(folder: Path, export: Callable[[Path], None], step: Callable[[str], None]) -> Path:
+def _fingerprint(folder: Path) -> str:
+    """A short hash of a checkpoint folder's files (names and contents)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for file in sorted(folder.glob("*")):
+        if file.is_file() and file.suffix in (".json", ".safetensors"):
+            digest.update(file.name.encode())
+            digest.update(file.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _ensure(folder: Path, export: Callable[[Path], None], step: Callable[[str], None], version: int | str = _VERSION) -> Path:
     stamp = folder / _STAMP
-    if stamp.is_file() and json.loads(stamp.read_text()).get("version") == _VERSION:
+    if stamp.is_file() and json.loads(stamp.read_text()).get("version") == version:
         return folder
     step(f"First use: exporting {folder.name} into {folder.parent} (once)")
     partial = folder.with_name(folder.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     export(partial)
-    (partial / _STAMP).write_text(json.dumps({"version": _VERSION}))
+    (partial / _STAMP).write_text(json.dumps({"version": version}))
     shutil.rmtree(folder, ignore_errors=True)
     partial.rename(folder)
     return folder
