@@ -25,6 +25,8 @@ Examples:
 
   dflash bench --concurrency 1,8 --num-assistant-tokens 3,auto --num-assistant-tokens-schedule constant,adaptive
 
+  dflash bench --concurrency 1,8 --rounds 3            # ratios: median of 3 interleaved rounds, with their range
+
   dflash bench out/target --draft out/draft --dataset prompts.jsonl --plot bench.png --min-accepted-length 2
 
   dflash bench out/target --draft out/draft --ov-config INFERENCE_PRECISION_HINT=f32 --ov-config KV_CACHE_PRECISION=f32
@@ -62,6 +64,7 @@ def bench(
         Optional[bool], typer.Option("--chat/--no-chat", help="Apply the chat template (default: when the tokenizer has one).", show_default=False)
     ] = None,
     warmup: Annotated[int, typer.Option("--warmup", min=0, help="Warm-up requests per engine, excluded from the figures.")] = 2,
+    rounds: Annotated[int, typer.Option("--rounds", min=1, help="Runs of every setting, each right after its baseline; the speedup is the median of the per-round ratios, with their range.")] = 1,
     kv_cache_size: Annotated[Optional[float], typer.Option("--kv-cache-size", min=0.001, help="KV cache size in GiB [default: 0.25].", show_default=False)] = None,
     max_num_batched_tokens: Annotated[int, typer.Option("--max-num-batched-tokens", min=1, help="Token budget of one engine step.")] = 256,
     device: Annotated[str, typer.Option("--device", help="OpenVINO device.")] = "CPU",
@@ -78,7 +81,7 @@ def bench(
 ) -> None:
     """Benchmark speculative decoding against the target alone: throughput, latency, acceptance.
 
-    Runs the autoregressive baseline and every setting of the sweep (concurrency x num-assistant-tokens x markov-top-k) on the same prompts, greedy with EOS ignored, and checks every speculative output token for token against the baseline. Exit codes: 0 ok; 1 an output differs with f32 inference (or with --strict), a request failed, or the mean accepted length is below --min-accepted-length; 2 usage; 130 interrupted (SIGINT), 143 terminated (SIGTERM): the finished settings are still written to --json, with status "interrupted".
+    Runs the autoregressive baseline and every setting of the sweep (concurrency x num-assistant-tokens x schedule x markov-top-k) on the same prompts, each setting right after its baseline (--rounds N repeats that and takes the median ratio), greedy with EOS ignored, and checks every speculative output token for token against the baseline. Exit codes: 0 ok; 1 an output differs with f32 inference (or with --strict), a request failed, or the mean accepted length is below --min-accepted-length; 2 usage; 130 interrupted (SIGINT), 143 terminated (SIGTERM): the finished settings are still written to --json, with status "interrupted".
     """
     output = Output(quiet=quiet)
     report = None
@@ -114,7 +117,7 @@ def bench(
             target_dir=target_dir, draft_dir=draft, prompts=prompts, engine_config=config,
             max_new_tokens=max_new_tokens, concurrencies=concurrencies, num_assistant_tokens=assistant_tokens,
             schedules=schedules,
-            markov_top_ks=top_ks, chat=chat, warmup=warmup, baseline=not no_baseline, dataset=dataset,
+            markov_top_ks=top_ks, chat=chat, warmup=warmup, rounds=rounds, baseline=not no_baseline, dataset=dataset,
         )  # fmt: skip
         with _LiveProgress(output) as progress:
             report = run_bench(options, progress)
@@ -307,6 +310,8 @@ def _print_tables(report, output: Output) -> None:
         speed.add_column(column, justify="left" if column == "setting" else "right", no_wrap=True)
     for s in report.settings:
         speedup = "-" if s.speedup is None else f"{s.speedup:.2f}x"
+        if s.speedup_range is not None and s.rounds > 1:
+            speedup += f" ({s.speedup_range[0]:.2f}-{s.speedup_range[1]:.2f})"
         speed.add_row(s.name, f"{s.tokens_per_s:.1f}", speedup, _ms(s.ttft_s["p50"]), _ms(s.ttft_s["p90"]),
                       _ms(s.tpot_s["p50"]), _ms(s.tpot_s["p90"]))  # fmt: skip
     output.data(speed)

@@ -79,8 +79,8 @@ class AcceptanceCounts:
 
     def __init__(self, decay: float):
         self.decay = decay
-        self.drafted: list[float] = []
-        self.accepted: list[float] = []
+        self.drafted = np.zeros(0)  # [positions] decayed counts
+        self.accepted = np.zeros(0)
         self.version = 0  # counts observations: estimates computed from the same version are the same
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
@@ -88,15 +88,12 @@ class AcceptanceCounts:
             return
         self.version += 1
         if len(self.drafted) < num_drafted:
-            grow = num_drafted - len(self.drafted)
-            self.drafted += [0.0] * grow
-            self.accepted += [0.0] * grow
-        for i in range(len(self.drafted)):
-            self.drafted[i] *= self.decay
-            self.accepted[i] *= self.decay
-        for i in range(num_drafted):
-            self.drafted[i] += 1.0
-            self.accepted[i] += 1.0 if i < num_accepted else 0.0
+            self.drafted = np.pad(self.drafted, (0, num_drafted - len(self.drafted)))
+            self.accepted = np.pad(self.accepted, (0, num_drafted - len(self.accepted)))
+        self.drafted *= self.decay
+        self.accepted *= self.decay
+        self.drafted[:num_drafted] += 1.0
+        self.accepted[:num_accepted] += 1.0
 
     def estimate(self, length: int, prior: Sequence[float] | None = None, prior_weight: float = 0.0) -> list[float]:
         """q(0..length-1): counts shrunk towards `prior`, made non-increasing (accepting position i
@@ -105,8 +102,8 @@ class AcceptanceCounts:
         that far went one further), or without a prior, with its own last ratio."""
         q: list[float] = []
         for i in range(length):
-            drafted = self.drafted[i] if i < len(self.drafted) else 0.0
-            accepted = self.accepted[i] if i < len(self.accepted) else 0.0
+            drafted = float(self.drafted[i]) if i < len(self.drafted) else 0.0
+            accepted = float(self.accepted[i]) if i < len(self.accepted) else 0.0
             if drafted <= 1e-9 and q:
                 q.append(q[-1] * _ratio(prior, i) if prior is not None else _extrapolate(q))
             elif prior is not None and drafted + prior_weight > 1e-9:
@@ -121,7 +118,7 @@ class AcceptanceCounts:
 
     @property
     def is_empty(self) -> bool:
-        return not self.drafted
+        return len(self.drafted) == 0
 
 
 def _ratio(prior: Sequence[float], i: int) -> float:

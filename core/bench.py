@@ -4,10 +4,14 @@
 
 One sweep:
 
-    baseline engine (no draft)   -> warm-up, then every prompt at each concurrency
-    draft engine (per top-k)     -> warm-up, then every prompt at each (concurrency, num_assistant_tokens)
-    after every speculative run  -> each output compared token for token with the baseline's at the
-                                    same concurrency (losslessness), figures appended to the report
+    engines                      -> the target alone and one draft engine per Markov top-k, loaded at
+                                    once and warmed up
+    each round, each concurrency -> every prompt through the baseline, then through every speculative
+                                    setting (num_assistant_tokens x schedule x top-k), in turn, so a
+                                    setting and its baseline see the same machine
+    after every speculative run  -> its outputs compared token for token with the baseline's at the
+                                    same concurrency (losslessness); speedup = the median over rounds
+                                    of (baseline wall time / setting wall time) in the same round
 
 Every request is greedy with ignore_eos, so each generates exactly max_new_tokens (a stop can only
 come from the model's length limit) and every setting does the same work. Concurrency c keeps at most
@@ -40,7 +44,7 @@ import numpy as np
 from .config import is_exact_inference
 from .errors import InputError
 from .metrics import SpecDecodingStats, StepTimes
-from .tokenization import Prompt
+from .tokenization import Prompt, tokenize_prompt
 
 SCHEMA_VERSION = 1
 HUMANEVAL = "humaneval"
@@ -64,6 +68,7 @@ class BenchOptions:
     markov_top_ks: Sequence[int | None] = (None,)
     chat: bool | None = None  # None: when the tokenizer has a chat template
     warmup: int = 2
+    rounds: int = 1  # every setting runs once per round, interleaved with its baseline
     baseline: bool = True
     dataset: str | None = None  # where the prompts came from, for the report
 
@@ -110,6 +115,8 @@ class SettingResult:
     draft_share: float | None
     drafting_share: float | None  # speculative only: of the (request, step) decisions, the share that drafted
     agreement: Agreement | None  # against the baseline (speculative only, with a baseline)
+    rounds: int = 1  # runs of every prompt; figures are over all of them
+    speedup_range: list[float] | None = None  # [min, max] of the per-round speedups
     errors: list[str] = field(default_factory=list)  # requests that finished with an error
     token_ids: list[list[int]] = field(default_factory=list, repr=False)  # per prompt (not in the JSON)
 
@@ -219,52 +226,99 @@ def _check_options(options: BenchOptions) -> None:
         raise InputError("concurrency values must be >= 1", "e.g. --concurrency 1,4,8")
     if options.max_new_tokens < 1:
         raise InputError("--max-new-tokens must be >= 1", "e.g. --max-new-tokens 128")
+    if options.rounds < 1:
+        raise InputError("--rounds must be >= 1", "e.g. --rounds 3")
+
+
+@dataclass(frozen=True)
+class _Setting:
+    """One column of the sweep: the target alone, or the draft with one choice of options."""
+
+    kind: str  # "baseline" or "speculative"
+    concurrency: int
+    num_assistant_tokens: int | None = None
+    top_k: int | None = None  # the engine: markov_head_top_k
+    schedule: str | None = None
+
+    @property
+    def name(self) -> str:
+        if self.kind == "baseline":
+            return f"baseline c={self.concurrency}"
+        k = "auto" if self.num_assistant_tokens is None else self.num_assistant_tokens
+        name = f"spec c={self.concurrency} k={k}"
+        name += f" {self.schedule}" if self.schedule not in (None, "adaptive") else ""
+        return name + (f" topk={self.top_k}" if self.top_k is not None else "")
+
+
+@dataclass
+class _SettingRun:
+    """One run of every prompt at one setting: what the summary is made of."""
+
+    results: list  # GenerationResult per prompt
+    wall_s: float
+    times: StepTimes  # engine time during the run
+    decisions: tuple[int, int]  # (request-step decisions, of them drafting)
 
 
 def _sweep(options: BenchOptions, config, report: BenchReport, progress: BenchProgress) -> None:
-    from .engine import LLMEngine
-    from .tokenization import tokenize_prompt
-
-    baselines: dict[int, SettingResult] = {}
-    engine = None
-    if options.baseline:
-        progress.stage(f"Loading the target {options.target_dir}")
-        engine = LLMEngine(options.target_dir, config)
-        chat = _use_chat(engine, options.chat)
-        encoded = [tokenize_prompt(engine.tokenizer, p, chat=chat) for p in options.prompts]
-        report.prompts = [text for text, _ in encoded]
-        token_prompts = [ids for _, ids in encoded]
+    """Every setting once per round, the baseline first at each concurrency, so that a setting and its
+    baseline always see the same machine; the speedup is the median of the per-round ratios."""
+    engines = _load_engines(options, config, progress)
+    first = next(iter(engines.values()))
+    encoded = [tokenize_prompt(first.tokenizer, p, chat=_use_chat(first, options.chat)) for p in options.prompts]
+    report.prompts = [text for text, _ in encoded]
+    token_prompts = [ids for _, ids in encoded]
+    for engine in engines.values():
         _warm_up(engine, token_prompts, options, progress)
+    runs: dict[_Setting, list[_SettingRun]] = {}
+    ratios: dict[_Setting, list[float]] = {}
+    for round_index in range(options.rounds):
         for concurrency in options.concurrencies:
-            result = _run_setting(engine, token_prompts, options, "baseline", concurrency, None, None, progress)
-            baselines[concurrency] = result
-            report.settings.append(result)
-            progress.setting_finished(result)
-        del engine  # its caches go before the draft engine allocates its own
-
-    for top_k in options.markov_top_ks:
-        progress.stage(f"Loading the target with the draft {options.draft_dir}" + (f" (markov top-k {top_k})" if top_k is not None else ""))
-        engine = LLMEngine(options.target_dir, replace(config, markov_head_top_k=top_k), draft_dir=options.draft_dir)
-        if not report.prompts:
-            chat = _use_chat(engine, options.chat)
-            encoded = [tokenize_prompt(engine.tokenizer, p, chat=chat) for p in options.prompts]
-            report.prompts = [text for text, _ in encoded]
-            token_prompts = [ids for _, ids in encoded]
-        _warm_up(engine, token_prompts, options, progress)
-        for concurrency in options.concurrencies:
-            for num_assistant_tokens, schedule in itertools.product(options.num_assistant_tokens, options.schedules):
-                result = _run_setting(engine, token_prompts, options, "speculative", concurrency, num_assistant_tokens,
-                                      top_k, progress, schedule)  # fmt: skip
-                baseline = baselines.get(concurrency)
-                if baseline is not None:
-                    result.speedup = _ratio(result.tokens_per_s, baseline.tokens_per_s)
-                    result.agreement = compare_outputs(baseline.token_ids, result.token_ids, report.prompts)
-                    _warn_disagreement(result, report.exact, progress)
-                report.settings.append(result)
-                progress.setting_finished(result)
+            baseline = _Setting("baseline", concurrency) if "baseline" in engines else None
+            settings = ([baseline] if baseline else []) + [
+                _Setting("speculative", concurrency, k, top_k, schedule)
+                for top_k in options.markov_top_ks
+                for k, schedule in itertools.product(options.num_assistant_tokens, options.schedules)
+            ]
+            for setting in settings:
+                engine = engines["baseline" if setting.kind == "baseline" else setting.top_k]
+                runs.setdefault(setting, []).append(_run_setting(engine, token_prompts, options, setting, progress))
+                if baseline is not None and setting.kind == "speculative":
+                    ratios.setdefault(setting, []).append(runs[baseline][-1].wall_s / runs[setting][-1].wall_s)
+                _publish(report, runs, ratios, setting, baseline, progress, last=round_index == options.rounds - 1)
+    for engine in engines.values():
         for warning in engine.warnings:
             progress.warning(warning)
-        del engine
+
+
+def _load_engines(options: BenchOptions, config, progress: BenchProgress) -> dict:
+    """The target alone ("baseline") and one draft engine per Markov top-k, all loaded at once."""
+    from .engine import LLMEngine
+
+    engines: dict = {}
+    if options.baseline:
+        progress.stage(f"Loading the target {options.target_dir}")
+        engines["baseline"] = LLMEngine(options.target_dir, config)
+    for top_k in options.markov_top_ks:
+        progress.stage(f"Loading the target with the draft {options.draft_dir}" + (f" (markov top-k {top_k})" if top_k is not None else ""))
+        engines[top_k] = LLMEngine(options.target_dir, replace(config, markov_head_top_k=top_k), draft_dir=options.draft_dir)
+    return engines
+
+
+def _publish(report: BenchReport, runs, ratios, setting: _Setting, baseline: _Setting | None, progress, *, last: bool) -> None:
+    """Put the setting's summary over its runs so far into the report (in place of an earlier one)."""
+    result = _summarize(setting, runs[setting], ratios.get(setting, []))
+    if baseline is not None and setting.kind == "speculative":
+        result.agreement = compare_outputs([r.token_ids for r in runs[baseline][0].results], result.token_ids, report.prompts)
+    names = [s.name for s in report.settings]
+    if result.name in names:
+        report.settings[names.index(result.name)] = result
+    else:
+        report.settings.append(result)
+    if last:
+        if result.agreement is not None:
+            _warn_disagreement(result, report.exact, progress)
+        progress.setting_finished(result)
 
 
 def _use_chat(engine, chat: bool | None) -> bool:
@@ -282,66 +336,65 @@ def _warm_up(engine, token_prompts: list[list[int]], options: BenchOptions, prog
     engine.generate(prompts, SamplingParams(max_new_tokens=options.max_new_tokens, ignore_eos=True))
 
 
-def _setting_name(kind: str, concurrency: int, num_assistant_tokens: int | None, top_k: int | None,
-                  schedule: str | None = None) -> str:  # fmt: skip
-    if kind == "baseline":
-        return f"baseline c={concurrency}"
-    name = f"spec c={concurrency} k={'auto' if num_assistant_tokens is None else num_assistant_tokens}"
-    name += f" {schedule}" if schedule not in (None, "adaptive") else ""
-    return name + (f" topk={top_k}" if top_k is not None else "")
-
-
-def _run_setting(engine, token_prompts: list[list[int]], options: BenchOptions, kind: str, concurrency: int,
-                 num_assistant_tokens: int | None, top_k: int | None, progress: BenchProgress,
-                 schedule: str | None = None) -> SettingResult:  # fmt: skip
+def _run_setting(engine, token_prompts: list[list[int]], options: BenchOptions, setting: _Setting,
+                 progress: BenchProgress) -> _SettingRun:  # fmt: skip
     """Every prompt through the engine with at most `concurrency` requests in it at once."""
     from .config import SamplingParams
 
-    name = _setting_name(kind, concurrency, num_assistant_tokens, top_k, schedule)
-    params = SamplingParams(max_new_tokens=options.max_new_tokens, ignore_eos=True, num_assistant_tokens=num_assistant_tokens,
-                            num_assistant_tokens_schedule=schedule or "adaptive")  # fmt: skip
-    progress.setting_started(name, len(token_prompts))
-    times_before = copy.copy(engine.times)
-    drafting_before = copy.copy(engine.drafter.stats) if kind == "speculative" else None
-    results = run_with_concurrency(engine, token_prompts, params, concurrency, progress.request_finished)
-    wall_s = time.perf_counter() - results.started
-    times = _times_delta(times_before, engine.times)
+    params = SamplingParams(max_new_tokens=options.max_new_tokens, ignore_eos=True, num_assistant_tokens=setting.num_assistant_tokens,
+                            num_assistant_tokens_schedule=setting.schedule or "adaptive")  # fmt: skip
+    progress.setting_started(setting.name, len(token_prompts))
+    times_before, stats_before = copy.copy(engine.times), copy.copy(engine.drafter.stats)
+    run = run_with_concurrency(engine, token_prompts, params, setting.concurrency, progress.request_finished)
+    wall_s = time.perf_counter() - run.started
+    stats = engine.drafter.stats
+    decisions = (stats.num_decisions - stats_before.num_decisions, stats.num_drafting - stats_before.num_drafting)
+    return _SettingRun(run.results, wall_s, _times_delta(times_before, engine.times), decisions)
+
+
+def _summarize(setting: _Setting, runs: list[_SettingRun], ratios: list[float]) -> SettingResult:
+    """One setting's figures over its runs: throughput and latency over every request of every round,
+    the speedup as the median of the per-round ratios (with their range)."""
+    results = [r for run in runs for r in run.results]
+    times = StepTimes()
+    for run in runs:
+        times = _times_sum(times, run.times)
+    speculative = setting.kind == "speculative"
     spec = None
-    if kind == "speculative":
+    if speculative:
         total = SpecDecodingStats()
-        for result in results.results:
+        for result in results:
             if result.spec is not None:
                 total.merge(result.spec)
         spec = total.to_json()
-    num_tokens = sum(r.num_generated_tokens for r in results.results)
+    decisions = sum(run.decisions[0] for run in runs)
+    num_tokens = sum(r.num_generated_tokens for r in results)
+    wall_s = sum(run.wall_s for run in runs)
     return SettingResult(
-        name=name,
-        kind=kind,
-        concurrency=concurrency,
-        num_assistant_tokens=num_assistant_tokens,
-        num_assistant_tokens_schedule=schedule,
-        markov_top_k=top_k,
-        num_requests=len(results.results),
-        num_generated_tokens=num_tokens,
-        wall_s=wall_s,
+        name=setting.name,
+        kind=setting.kind,
+        concurrency=setting.concurrency,
+        num_assistant_tokens=setting.num_assistant_tokens,
+        num_assistant_tokens_schedule=setting.schedule,
+        markov_top_k=setting.top_k,
+        num_requests=len(runs[0].results),
+        num_generated_tokens=num_tokens // len(runs),
+        wall_s=wall_s / len(runs),
         tokens_per_s=num_tokens / wall_s if wall_s > 0 else 0.0,
-        speedup=None,
-        ttft_s=_percentiles([r.ttft_s for r in results.results]),
-        tpot_s=_percentiles([r.tpot_s for r in results.results]),
+        speedup=float(statistics.median(ratios)) if ratios else None,
+        ttft_s=_percentiles([r.ttft_s for r in results]),
+        tpot_s=_percentiles([r.tpot_s for r in results]),
         spec=spec,
         times=times.to_json(),
         target_share=_ratio(times.target_s, times.step_s),
-        draft_share=_ratio(times.draft_s, times.step_s) if kind == "speculative" else None,
-        drafting_share=_drafting_share(drafting_before, engine.drafter.stats) if kind == "speculative" else None,
+        draft_share=_ratio(times.draft_s, times.step_s) if speculative else None,
+        drafting_share=sum(run.decisions[1] for run in runs) / decisions if speculative and decisions else None,
         agreement=None,
-        errors=[f"prompt {i}: {r.error}" for i, r in enumerate(results.results) if r.error],
-        token_ids=[r.token_ids for r in results.results],
+        rounds=len(runs),
+        speedup_range=[min(ratios), max(ratios)] if ratios else None,
+        errors=[f"prompt {i}: {r.error}" for i, r in enumerate(runs[0].results) if r.error],
+        token_ids=[r.token_ids for r in runs[0].results],
     )
-
-
-def _drafting_share(before, after) -> float | None:
-    decisions = after.num_decisions - before.num_decisions
-    return (after.num_drafting - before.num_drafting) / decisions if decisions else None
 
 
 @dataclass
@@ -377,6 +430,10 @@ def run_with_concurrency(engine, prompts: Sequence[Prompt], params, concurrency:
                 engine.result(req_id)  # forget it
         raise
     return _Run(results, started)
+
+
+def _times_sum(a: StepTimes, b: StepTimes) -> StepTimes:
+    return StepTimes(a.target_s + b.target_s, a.draft_s + b.draft_s, a.step_s + b.step_s, a.num_steps + b.num_steps)
 
 
 def _times_delta(before: StepTimes, after: StepTimes) -> StepTimes:
@@ -467,6 +524,7 @@ def options_json(options: BenchOptions, config) -> dict:
         "concurrency": list(options.concurrencies),
         "num_assistant_tokens": list(options.num_assistant_tokens),
         "num_assistant_tokens_schedules": list(options.schedules),
+        "rounds": options.rounds,
         "markov_top_k": list(options.markov_top_ks),
         "chat": options.chat,
         "warmup": options.warmup,

@@ -94,7 +94,8 @@ def test_json_schema(sweep):
     assert options["engine_config"]["ov_config"] == F32
     assert len(data["prompts"]) == 3 and all(PROMPTS[i] in p for i, p in enumerate(data["prompts"]))
     names = [s["name"] for s in data["settings"]]
-    assert names == ["baseline c=1", "baseline c=2", "spec c=1 k=auto constant", "spec c=2 k=auto constant"]
+    # Interleaved: each concurrency's baseline, then its speculative settings.
+    assert names == ["baseline c=1", "spec c=1 k=auto constant", "baseline c=2", "spec c=2 k=auto constant"]
     for s in data["settings"]:
         assert s["num_requests"] == 3 and s["num_generated_tokens"] == 3 * NEW_TOKENS
         assert s["wall_s"] > 0 and s["tokens_per_s"] == pytest.approx(s["num_generated_tokens"] / s["wall_s"])
@@ -131,7 +132,7 @@ def test_figures_agree_with_a_direct_engine_run(sweep, pair):
         direct.merge(result.spec)
     engine_delta = engine.spec_stats  # the engine-wide counters agree with the per-request ones
     assert engine_delta.num_accepted_tokens - before.num_accepted_tokens == direct.num_accepted_tokens
-    for setting in data["settings"][2:]:
+    for setting in [s for s in data["settings"] if s["kind"] == "speculative"]:
         assert setting["spec"] == direct.to_json()
         # Every verification step commits accepted + 1 tokens; steps without candidates commit one.
         spec = setting["spec"]
@@ -217,6 +218,20 @@ def test_schedules_are_swept(pair, prompts_file, tmp_path):
     # The constant and heuristic schedules draft at every step; the adaptive one only where it pays.
     assert [s["drafting_share"] for s in speculative[:2]] == [1.0, 1.0]
     assert 0 <= speculative[2]["drafting_share"] <= 1
+
+
+def test_rounds_interleave_each_setting_with_its_baseline(pair, prompts_file, tmp_path):
+    result, data = run_cli(pair, prompts_file, tmp_path, "--concurrency", "1", "--rounds", "2",
+                           "--num-assistant-tokens-schedule", "constant")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert data["options"]["rounds"] == 2
+    baseline, spec = data["settings"]
+    assert baseline["rounds"] == spec["rounds"] == 2
+    # Per round: every prompt once (figures are per round; the speedup is the median of 2 ratios).
+    assert spec["num_requests"] == 3 and spec["num_generated_tokens"] == 3 * NEW_TOKENS
+    low, high = spec["speedup_range"]
+    assert low <= spec["speedup"] <= high and baseline["speedup_range"] is None
+    assert spec["spec"]["num_drafts"] > 0 and spec["agreement"]["identical"] == 3
 
 
 def test_bad_schedule_is_a_usage_error(pair, prompts_file):
