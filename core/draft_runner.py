@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import openvino as ov
 
-from dflash.exporters.draft_format import read_draft_metadata
+from dflash.core.draft_format import read_draft_metadata
 
 from .errors import ModelFormatError
 from .graph import graft_embedding, graft_lm_head, insert_logits_gather

@@ -29,8 +29,8 @@ from pathlib import Path
 import numpy as np
 import openvino as ov
 
-from dflash.exporters.draft_format import MARKOV_HEAD_FILE, markov_head_part, read_draft_metadata
-from dflash.exporters.draft_format import SUPPORTED_MARKOV_HEAD_TYPES as SUPPORTED_HEAD_TYPES
+from dflash.core.draft_format import MARKOV_HEAD_FILE, markov_head_part, read_draft_metadata
+from dflash.core.draft_format import SUPPORTED_MARKOV_HEAD_TYPES as SUPPORTED_HEAD_TYPES
 
 from .config import compile_properties
 from .errors import InputError, ModelFormatError

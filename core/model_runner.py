@@ -104,7 +104,7 @@ class TargetRunner(PagedModel):
         model = read_ov_model(model_dir)
         layer_outputs = []
         if hidden_layer_ids:
-            from dflash.exporters.hidden_states import hidden_state_outputs
+            from dflash.core.hidden_states import hidden_state_outputs
 
             # Resolved on the exported graph; the producers keep their names through the transformation.
             layer_outputs = hidden_state_outputs(model, hidden_layer_ids)

@@ -17,11 +17,11 @@ from typing import Callable
 import openvino as ov
 import torch
 
+from dflash.core.draft_format import DRAFT_MODEL_FILE, MARKOV_HEAD_FILE, DraftMetadata, read_draft_metadata  # noqa: F401
 from dflash.core.errors import ExportError, InputError, ModelFormatError
 from dflash.exporters.draft_checkpoint import load_draft_weights
 from dflash.exporters.draft_config import DraftConfig, load_draft_config
 from dflash.exporters.draft_model import DraftModel, draft_model_from_weights
-from dflash.exporters.draft_format import DRAFT_MODEL_FILE, MARKOV_HEAD_FILE, DraftMetadata, read_draft_metadata  # noqa: F401
 from dflash.exporters.markov_head import markov_head_from_weights, save_markov_head
 from dflash.exporters.staging import check_output_dir, publish, saving, staging_dir
 

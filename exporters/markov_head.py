@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dflash.exporters.draft_format import (  # noqa: F401 - re-exported: the head's contract names
+from dflash.core.draft_format import (  # noqa: F401 - re-exported: the head's contract names
     DENSE_INPUTS,
     DENSE_OUTPUT,
     MARKOV_HEAD_FILE,

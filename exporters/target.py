@@ -31,13 +31,13 @@ from typing import Any
 import openvino as ov
 
 from dflash.core.errors import ExportError, InputError, ModelFormatError
-
-from .hidden_states import (
+from dflash.core.hidden_states import (
     RT_INFO_KEY,
     annotate_hidden_states,
     hidden_state_outputs,
     read_hidden_state_locators,
 )
+
 from . import interrupts
 from .pair import read_source_config
 from .roles import detect_role

@@ -24,8 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from dflash.core.errors import DflashError, InputError
-from dflash.exporters.draft_format import (
+from dflash.core.draft_format import (
     DENSE_INPUTS,
     DENSE_OUTPUT,
     DRAFT_MODEL_FILE,
@@ -34,6 +33,7 @@ from dflash.exporters.draft_format import (
     TOPK_INPUTS,
     TOPK_OUTPUT,
 )
+from dflash.core.errors import DflashError, InputError
 from dflash.exporters.staging import check_complete
 
 TARGET_MODEL_FILE = "openvino_model.xml"

@@ -18,7 +18,7 @@ import torch
 from openvino._offline_transformations import paged_attention_transformation
 
 from dflash.core.errors import ExportError, InputError, ModelFormatError
-from dflash.exporters.hidden_states import (
+from dflash.core.hidden_states import (
     RT_INFO_KEY,
     annotate_hidden_states,
     hidden_state_outputs,

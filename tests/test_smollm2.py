@@ -21,7 +21,7 @@ import torch
 from dflash.core.config import EXACT_OV_CONFIG, SamplingParams
 from dflash.core.engine import EngineConfig, LLMEngine
 from dflash.core.errors import ExportError, InputError
-from dflash.exporters.hidden_states import read_hidden_state_locators
+from dflash.core.hidden_states import read_hidden_state_locators
 from dflash.exporters.smollm2 import (
     build_smollm2_tokenizer,
     check_smollm2_tokenizer,

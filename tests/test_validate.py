@@ -380,7 +380,7 @@ def test_report_dataclasses():
 
 
 def test_contract_names_match_the_exporter():
-    # One torch-free module (exporters/draft_format.py) holds the contract for the exporter and validate.
+    # One torch-free module (core/draft_format.py) holds the contract for the exporter and validate.
     assert validate_module.DRAFT_MODEL_FILE == draft_exporter.DRAFT_MODEL_FILE
     assert validate_module.MARKOV_HEAD_FILE == markov_exporter.MARKOV_HEAD_FILE
     assert validate_module.MARKOV_HEAD_INPUTS == markov_exporter.DENSE_INPUTS + markov_exporter.TOPK_INPUTS
