@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash.core.bench import run_with_concurrency
+from dflash.bench.sweep import run_with_concurrency
 from dflash.core.config import EXACT_OV_CONFIG, SamplingParams
 from dflash.core.engine import EngineConfig, LLMEngine
 from dflash.exporters.constructed import (

