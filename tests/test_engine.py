@@ -83,8 +83,9 @@ def _build(root: Path, family: str, prompts: Sequence[str], **overrides) -> Targ
 
 
 @pytest.fixture(scope="session")
-def qwen3(tmp_path_factory) -> Target:
-    return _build(tmp_path_factory.mktemp("engine-qwen3"), "qwen3", PROMPTS)
+def qwen3(sharp_qwen3) -> Target:
+    hf_dir, ov_dir = sharp_qwen3  # what _build makes for qwen3, shared with other modules (conftest.py)
+    return Target(hf_dir, ov_dir, _hf_greedy(hf_dir, PROMPTS))
 
 
 @pytest.fixture(scope="session")

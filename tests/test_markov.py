@@ -105,13 +105,12 @@ def _bigram_head(src: Path, bigrams: dict[int, int], scale: float, seed: int = 0
 
 
 @pytest.fixture(scope="session")
-def random_pair(tmp_path_factory) -> Pair:
+def random_pair(tmp_path_factory, sharp_qwen3) -> Pair:
     """A random tiny qwen3 target and a random DSpark draft (the anchor row predicts) whose Markov
     head knows the bigrams of the target's own greedy outputs: the head then decides many
     candidates and some are accepted, so the lossless tests see accepted and rejected candidates."""
     root = tmp_path_factory.mktemp("markov-random")
-    hf = make_tiny_target(root / "hf", "qwen3", seed=3, initializer_range=0.2)
-    target_dir = export_target(hf, root / "target", weight_format="fp32")
+    hf, target_dir = sharp_qwen3
     reference = _target_alone(target_dir, PROMPTS)
     tokenizer = AutoTokenizer.from_pretrained(hf)
     bigrams = {}

@@ -24,7 +24,6 @@ from dflash.exporters import validate as validate_module
 from dflash.exporters.draft import export_draft
 from dflash.exporters.draft_checkpoint import make_tiny_draft
 from dflash.exporters.markov_head import MarkovHead, save_markov_head
-from dflash.exporters.target import export_target
 from dflash.exporters.tiny import make_tiny_target
 from dflash.exporters.validate import CheckResult, ValidationReport, validate_draft
 
@@ -57,14 +56,14 @@ def root(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def target_src(root) -> Path:
-    """The tiny qwen3 checkpoint: 4 layers, hidden 64, vocabulary 512."""
-    return make_tiny_target(root / "target_src")
+def target_src(tiny_target_src) -> Path:
+    """The tiny qwen3 checkpoint: 4 layers, hidden 64, vocabulary 512 (conftest.py)."""
+    return tiny_target_src
 
 
 @pytest.fixture(scope="module")
-def target(root, target_src) -> Path:
-    return export_target(target_src, root / "target", weight_format="fp16")
+def target(tiny_target_fp16) -> Path:
+    return tiny_target_fp16
 
 
 @pytest.fixture(scope="module")
