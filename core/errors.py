@@ -38,5 +38,3 @@ class ExportError(DflashError):
     """A conversion step failed on a model that looked valid."""
 
 
-class ValidationFailed(DflashError):
-    """One or more validation checks failed."""

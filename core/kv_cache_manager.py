@@ -48,10 +48,6 @@ class KVCacheManager:
         return self.pool.num_free_blocks
 
     @property
-    def usage(self) -> float:
-        return self.pool.usage
-
-    @property
     def max_num_tokens(self) -> int:
         """The most token positions one request could ever hold: the whole pool."""
         return self.pool.num_blocks * self.block_size

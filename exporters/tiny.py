@@ -8,7 +8,6 @@ config) that `dflash export` reads like any hub checkpoint. The draft side lives
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 # Special tokens of the tiny tokenizer, in id order right after the 256 byte tokens' merges start.
@@ -115,7 +114,3 @@ def make_tiny_target(
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
-
-
-def read_config(path: str | Path) -> dict:
-    return json.loads((Path(path) / "config.json").read_text())
