@@ -7,8 +7,9 @@ one too):
     tokens  = n + sum_r sum_{i < k_r} q_r(i)
     seconds = T(n + sum_r k_r) + [any k_r > 0] * D(draft rows)
 
-T and D are straight lines fitted on this engine's own measured steps (seconds = fixed + per_row *
-rows, host work included): T over generation steps of the target, D over the draft's steps. The
+T and D are fitted on this engine's own measured steps (host work included): T = fixed + per row,
+over generation steps of the target; D = fixed + per row + per candidate row, over the draft's
+steps (a candidate row also runs the vocabulary-wide lm_head, most of a small draft's cost). The
 draft's fixed cost (one more inference per step) is paid once, by the whole step, as soon as one
 request drafts, so the choice is made jointly: every (request, position) slot is sorted by q, and the
 prefix of slots with the highest tokens / seconds is drafted, which may be none (zero candidates:
@@ -39,39 +40,60 @@ import numpy as np
 
 
 class LinearCost:
-    """seconds = fixed + per_row * rows, least squares over the latest `window` observations.
+    """seconds = fixed + sum_j per_unit[j] * counts[j], least squares over the latest `window`
+    observations, coefficients kept non-negative.
 
-    An earlier fit is kept while new observations cannot be fitted (rows that barely vary)."""
+    The target's step has one count (rows: seeds and candidates all need logits, so they cost alike).
+    The draft's has two: its rows, and its candidate rows, which alone run the vocabulary-wide lm_head
+    (on a small draft, most of a candidate row's cost). An earlier fit is kept while new observations
+    cannot be fitted (counts that barely vary)."""
 
-    def __init__(self, window: int = 128, min_samples: int = 8, min_row_spread: float = 0.5, refit_every: int = 8):
-        self._samples: deque[tuple[int, float]] = deque(maxlen=window)
+    def __init__(self, num_counts: int = 1, window: int = 128, min_samples: int = 8, min_spread: float = 0.5,
+                 refit_every: int = 8):  # fmt: skip
+        self.num_counts = num_counts
+        self._samples: deque[tuple[tuple[int, ...], float]] = deque(maxlen=window)
         self.min_samples = min_samples
-        self.min_row_spread = min_row_spread
+        self.min_spread = min_spread  # standard deviation each count needs across the window
         self.refit_every = refit_every  # observations between two fits (a fit costs more than a step's choice)
-        self._fit: tuple[float, float] | None = None
+        self._fit: np.ndarray | None = None  # [fixed, per_unit...]
         self._num_new = 0
 
-    def observe(self, rows: int, seconds: float) -> None:
-        self._samples.append((rows, seconds))
+    def observe(self, counts: int | tuple[int, ...], seconds: float) -> None:
+        self._samples.append((counts if isinstance(counts, tuple) else (counts,), seconds))
         self._num_new += 1
 
-    def fit(self) -> tuple[float, float] | None:
-        """(fixed seconds, seconds per row), or None until it can be fitted."""
+    def fit(self) -> tuple[float, ...] | None:
+        """(fixed seconds, seconds per unit of each count), or None until it can be fitted."""
         due = self._num_new >= self.refit_every or (self._fit is None and self._num_new > 0)
         if due and len(self._samples) >= self.min_samples:
             self._num_new = 0
-            rows = np.fromiter((r for r, _ in self._samples), dtype=np.float64, count=len(self._samples))
-            seconds = np.fromiter((s for _, s in self._samples), dtype=np.float64, count=len(self._samples))
-            if rows.std() >= self.min_row_spread:
-                spread = rows - rows.mean()
-                per_row = max(0.0, float(spread @ (seconds - seconds.mean())) / float(spread @ spread))
-                fixed = max(0.0, float(seconds.mean()) - per_row * float(rows.mean()))
-                self._fit = (fixed, per_row)
-        return self._fit
+            counts = np.array([c for c, _ in self._samples], dtype=np.float64)  # [n, num_counts]
+            seconds = np.array([s for _, s in self._samples], dtype=np.float64)
+            if np.all(counts.std(axis=0) >= self.min_spread):
+                self._fit = _non_negative_least_squares(counts, seconds)
+        return None if self._fit is None else tuple(float(c) for c in self._fit)
 
-    def seconds(self, rows: int) -> float:
-        fixed, per_row = self._fit or (0.0, 0.0)  # as of the latest fit()
-        return fixed + per_row * rows
+    def seconds(self, *counts: int) -> float:
+        """Predicted seconds (as of the latest fit())."""
+        if self._fit is None:
+            return 0.0
+        return float(self._fit[0] + self._fit[1:] @ np.asarray(counts, dtype=np.float64))
+
+
+def _non_negative_least_squares(counts: np.ndarray, seconds: np.ndarray) -> np.ndarray:
+    """Least squares with an intercept; a coefficient that comes out negative (noise) is dropped and
+    the rest refitted."""
+    active = list(range(counts.shape[1]))
+    while True:
+        design = np.column_stack([np.ones(len(seconds)), counts[:, active]])
+        solution, *_ = np.linalg.lstsq(design, seconds, rcond=None)
+        coefficients = np.zeros(counts.shape[1] + 1)
+        coefficients[0] = max(0.0, solution[0])
+        coefficients[[1 + j for j in active]] = solution[1:]
+        negative = [j for j, c in zip(active, solution[1:]) if c < 0]
+        if not negative:
+            return coefficients
+        active = [j for j in active if j not in negative]
 
 
 class AcceptanceCounts:
@@ -163,8 +185,8 @@ class AdaptiveSchedule:
     probe_after: int = 4
     max_probe_after: int = 64
     probe_candidates: int = 4
-    target_cost: LinearCost = field(default_factory=LinearCost)
-    draft_cost: LinearCost = field(default_factory=LinearCost)
+    target_cost: LinearCost = field(default_factory=LinearCost)  # seconds over rows
+    draft_cost: LinearCost = field(default_factory=lambda: LinearCost(num_counts=2))  # over (rows, candidate rows)
 
     def __post_init__(self) -> None:
         self.target_cost.min_samples = self.draft_cost.min_samples = self.min_steps
@@ -186,8 +208,9 @@ class AdaptiveSchedule:
         """A generation step of the target (no prompt chunk in it): its rows and seconds."""
         self.target_cost.observe(rows, seconds)
 
-    def observe_draft(self, rows: int, seconds: float) -> None:
-        self.draft_cost.observe(rows, seconds)
+    def observe_draft(self, rows: int, candidate_rows: int, seconds: float) -> None:
+        """A draft step: its rows (context and block) and candidate rows, and seconds."""
+        self.draft_cost.observe((rows, candidate_rows), seconds)
 
     def forget(self, req_id: str) -> None:
         self._requests.pop(req_id, None)
@@ -195,13 +218,13 @@ class AdaptiveSchedule:
     # ---- the decision ----------------------------------------------------------------------------
 
     def plan(self, candidates: Sequence[Candidate], *, num_generating: int, candidate_offset: int = 0,
-             other_draft_rows: int = 0) -> dict[str, int]:  # fmt: skip
+             other_draft_rows: tuple[int, int] = (0, 0)) -> dict[str, int]:  # fmt: skip
         """Candidates per request for the next step.
 
         num_generating: requests whose seed rows the target verifies next step (drafting or not).
         candidate_offset: block rows before the first candidate row (1 for z-lab DFlash).
-        other_draft_rows: draft rows that run anyway (other schedules' windows); 0: the draft runs
-            only if this schedule drafts.
+        other_draft_rows: (rows, candidate rows) of the draft that run anyway (other schedules'
+            windows); (0, 0): the draft runs only if this schedule drafts.
         """
         self._num_steps += 1
         if not candidates:
@@ -231,24 +254,26 @@ class AdaptiveSchedule:
             state.estimate, state.estimate_key = state.counts.estimate(cap, self._prior, self.prior_weight), key
         return state.estimate
 
-    def _best(self, candidates: Sequence[Candidate], num_generating: int, offset: int, other_draft_rows: int) -> dict[str, int]:
+    def _best(self, candidates: Sequence[Candidate], num_generating: int, offset: int,
+              other_draft_rows: tuple[int, int]) -> dict[str, int]:  # fmt: skip
         slots = sorted(
             ((q, c) for c in candidates for q in self.estimate(c.req_id, c.cap)),
             key=lambda slot: -slot[0],
         )  # each request's q is non-increasing, so a prefix of slots is a prefix of each block
         base_seconds = self.target_cost.seconds(num_generating)
-        if other_draft_rows:  # the draft runs anyway (other schedules' blocks)
-            base_seconds += self.draft_cost.seconds(other_draft_rows)
+        if other_draft_rows[0]:  # the draft runs anyway (other schedules' blocks)
+            base_seconds += self.draft_cost.seconds(*other_draft_rows)
         best_rate, best_len = num_generating / base_seconds, 0
-        tokens, rows, draft_rows, drafting = float(num_generating), num_generating, other_draft_rows, set()
+        tokens, rows, (draft_rows, draft_candidates), drafting = float(num_generating), num_generating, other_draft_rows, set()
         for length, (q, c) in enumerate(slots, start=1):
             tokens += q
             rows += 1
             draft_rows += 1
+            draft_candidates += 1
             if c.req_id not in drafting:  # its first candidate: its block's other rows, and the
                 drafting.add(c.req_id)  # committed rows it has not read yet (caught up now)
                 draft_rows += offset + c.num_pending_rows
-            seconds = self.target_cost.seconds(rows) + self.draft_cost.seconds(draft_rows)
+            seconds = self.target_cost.seconds(rows) + self.draft_cost.seconds(draft_rows, draft_candidates)
             if tokens / seconds > best_rate:
                 best_rate, best_len = tokens / seconds, length
         ks = {c.req_id: 0 for c in candidates}

@@ -145,7 +145,8 @@ class DFlashDrafter:
             self.adaptive.observe_target(target_step.num_rows, target_step.seconds)
         if windows:
             self.stats.num_draft_steps += 1
-            self.adaptive.observe_draft(sum(w.num_context + w.num_block_rows for w in windows), seconds)
+            rows = sum(w.num_context + w.num_block_rows for w in windows)
+            self.adaptive.observe_draft(rows, sum(w.num_candidates for w in windows), seconds)
         return candidates
 
     # ---- the ledger --------------------------------------------------------------------------
@@ -219,8 +220,9 @@ class DFlashDrafter:
         for name in ("constant", "heuristic"):
             blocks.update(self.schedules[name].plan(by_schedule.get(name, ())))
         offset = self.spec.candidate_position_offset
-        others = sum(c.num_pending_rows + k + offset for name in ("constant", "heuristic")
-                     for c in by_schedule.get(name, ()) if (k := blocks[c.req_id]))  # fmt: skip
+        others = [(c.num_pending_rows + k + offset, k) for name in ("constant", "heuristic")
+                  for c in by_schedule.get(name, ()) if (k := blocks[c.req_id])]  # fmt: skip
+        others = (sum(r for r, _ in others), sum(k for _, k in others))
         blocks.update(self.adaptive.plan(by_schedule.get("adaptive", ()), num_generating=len(requests),
                                          candidate_offset=offset, other_draft_rows=others))  # fmt: skip
         self.stats.num_decisions += len(blocks)

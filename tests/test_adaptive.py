@@ -9,12 +9,14 @@ import pytest
 from dflash.core.adaptive import AcceptanceCounts, AdaptiveSchedule, Candidate, LinearCost
 
 
-def fitted(target: tuple[float, float], draft: tuple[float, float], *, min_steps: int = 4, **kwargs) -> AdaptiveSchedule:
-    """A schedule whose cost lines are fitted on exact observations: seconds = fixed + per_row * rows."""
+def fitted(target: tuple[float, float], draft: tuple[float, float], *, per_candidate: float = 0.0, min_steps: int = 4,
+           **kwargs) -> AdaptiveSchedule:  # fmt: skip
+    """A schedule whose costs are fitted on exact observations: target seconds = fixed + per_row * rows,
+    draft seconds = fixed + per_row * rows + per_candidate * candidate rows."""
     schedule = AdaptiveSchedule(min_steps=min_steps, **kwargs)
-    for rows in (1, 4, 9, 16, 25, 36):
+    for rows, candidates in ((1, 0), (4, 3), (9, 2), (16, 8), (25, 4), (36, 15)):
         schedule.observe_target(rows, target[0] + target[1] * rows)
-        schedule.observe_draft(rows, draft[0] + draft[1] * rows)
+        schedule.observe_draft(rows, candidates, draft[0] + draft[1] * rows + per_candidate * candidates)
     return schedule
 
 
@@ -26,14 +28,14 @@ def accept(schedule: AdaptiveSchedule, req_id: str, acceptance: list[float], ste
         schedule.observe_verification(req_id, len(acceptance), sum(1 for q in acceptance if u < q))
 
 
-def rate(ks: dict[str, int], q: dict[str, list[float]], target, draft, offset: int = 0) -> float:
+def rate(ks: dict[str, int], q: dict[str, list[float]], target, draft, per_candidate: float = 0.0, offset: int = 0) -> float:
     """Expected tokens per second of a step drafting ks (the model the schedule optimizes)."""
     n = len(ks)
     tokens = n + sum(sum(q[r][:k]) for r, k in ks.items())
     seconds = target[0] + target[1] * (n + sum(ks.values()))
     draft_rows = sum(k + offset for k in ks.values() if k)
     if draft_rows:
-        seconds += draft[0] + draft[1] * draft_rows
+        seconds += draft[0] + draft[1] * draft_rows + per_candidate * sum(ks.values())
     return tokens / seconds
 
 
@@ -46,6 +48,19 @@ def test_linear_cost_recovers_fixed_and_per_row_and_keeps_a_fit_when_rows_stop_v
         cost.observe(5, 1.0)  # the window now holds rows that never vary: no new fit
     assert cost.fit() == pytest.approx((0.003, 0.0005))
     assert LinearCost(min_samples=4).fit() is None
+
+
+def test_linear_cost_with_two_counts_and_no_negative_coefficient():
+    cost = LinearCost(num_counts=2, min_samples=4)
+    for rows, candidates in ((2, 1), (8, 1), (8, 7), (20, 3), (30, 15)):
+        cost.observe((rows, candidates), 0.002 + 0.0001 * rows + 0.0004 * candidates)
+    assert cost.fit() == pytest.approx((0.002, 0.0001, 0.0004))
+    assert cost.seconds(10, 5) == pytest.approx(0.002 + 0.001 + 0.002)
+    noisy = LinearCost(num_counts=2, min_samples=4)
+    for rows, candidates in ((2, 1), (8, 1), (8, 7), (20, 3), (30, 15)):
+        noisy.observe((rows, candidates), 0.002 + 0.0004 * candidates - 0.00001 * rows)  # rows "save" time
+    fixed, per_row, per_candidate = noisy.fit()
+    assert per_row == 0.0 and per_candidate > 0 and fixed > 0
 
 
 def test_acceptance_counts_decay_extrapolate_and_never_increase_with_position():
@@ -80,16 +95,16 @@ def test_zero_when_the_draft_fixed_cost_exceeds_any_gain():
 
 
 def test_the_plan_is_the_best_choice_over_every_combination():
-    target, draft = (0.010, 0.0004), (0.003, 0.0002)
-    schedule = fitted(target, draft, prior_weight=0.0)
+    target, draft, per_candidate = (0.010, 0.0004), (0.003, 0.0001), 0.0002
+    schedule = fitted(target, draft, per_candidate=per_candidate, prior_weight=0.0)
     acceptance = {"a": [0.9, 0.8, 0.6, 0.3, 0.1], "b": [0.5, 0.2, 0.1, 0.0, 0.0], "c": [0.05, 0.0, 0.0, 0.0, 0.0]}
     for req_id, q in acceptance.items():
         accept(schedule, req_id, q)
     q = {r: schedule.estimate(r, 5) for r in acceptance}
     ks = schedule.plan([Candidate(r, 5) for r in acceptance], num_generating=3)
-    best = max(rate(dict(zip(acceptance, combo)), q, target, draft)
+    best = max(rate(dict(zip(acceptance, combo)), q, target, draft, per_candidate)
                for combo in itertools.product(range(6), repeat=3))  # fmt: skip
-    assert rate(ks, q, target, draft) == pytest.approx(best)
+    assert rate(ks, q, target, draft, per_candidate) == pytest.approx(best)
     assert ks["a"] > ks["b"] >= ks["c"] == 0
 
 
