@@ -27,6 +27,8 @@ from dflash.exporters.draft_checkpoint import make_tiny_draft
 from dflash.exporters.target import export_target
 from dflash.exporters.tiny import make_tiny_target
 
+pytestmark = pytest.mark.slow  # exports models or runs many engines: left out of the fast subset (-m 'not slow')
+
 F32 = EXACT_OV_CONFIG
 F32_ARGS = ["--ov-config", "INFERENCE_PRECISION_HINT=f32", "--ov-config", "KV_CACHE_PRECISION=f32"]
 PROMPTS = ["Hello, world!", "def add(a, b):", "The quick brown fox jumps over the lazy dog."]

@@ -34,6 +34,8 @@ from dflash.exporters.draft_checkpoint import load_draft_weights, make_tiny_draf
 from dflash.exporters.draft_config import DraftConfig, load_draft_config
 from dflash.exporters.tiny import make_tiny_target
 
+pytestmark = pytest.mark.slow  # exports models or runs many engines: left out of the fast subset (-m 'not slow')
+
 F32 = EXACT_OV_CONFIG
 
 DRAFTS = {

@@ -28,6 +28,8 @@ from dflash.core.request import Request
 from dflash.exporters.target import export_target
 from dflash.exporters.tiny import _CORPUS, make_tiny_target
 
+pytestmark = pytest.mark.slow  # exports models or runs many engines: left out of the fast subset (-m 'not slow')
+
 F32 = EXACT_OV_CONFIG
 NEW_TOKENS = 32
 LLAMA_MAX_POSITIONS = 96

@@ -41,6 +41,8 @@ from dflash.exporters.markov_head import (
 )
 from dflash.exporters.tiny import make_tiny_target
 
+pytestmark = pytest.mark.slow  # exports models or runs many engines: left out of the fast subset (-m 'not slow')
+
 # The stateful CPU plugin keeps its KV cache in a reduced precision unless told otherwise.
 F32 = EXACT_OV_CONFIG
 ATOL = 1e-4

@@ -29,6 +29,8 @@ from dflash.core.hidden_states import (
 from dflash.exporters.target import detect_role, export_target
 from dflash.exporters.tiny import make_tiny_target
 
+pytestmark = pytest.mark.slow  # exports models or runs many engines: left out of the fast subset (-m 'not slow')
+
 NUM_LAYERS = 4
 HIDDEN = 64
 FORMATS = {"llama": "fp32", "qwen3": "fp16", "qwen2": "int8", "mistral": "int4"}

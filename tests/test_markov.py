@@ -48,6 +48,8 @@ from dflash.exporters.draft_checkpoint import make_tiny_draft
 from dflash.exporters.target import export_target
 from dflash.exporters.tiny import _CORPUS, make_tiny_target
 
+pytestmark = pytest.mark.slow  # exports models or runs many engines: left out of the fast subset (-m 'not slow')
+
 F32 = EXACT_OV_CONFIG
 VOCAB = 512
 BLOCK_SIZE = 5

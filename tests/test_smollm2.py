@@ -30,6 +30,8 @@ from dflash.exporters.smollm2 import (
 )
 from dflash.exporters.target import export_target
 
+pytestmark = pytest.mark.slow  # exports models or runs many engines: left out of the fast subset (-m 'not slow')
+
 # Exact comparisons: f32 compute and an f32 KV cache (this CPU defaults to bf16).
 F32 = EXACT_OV_CONFIG
 NUM_NEW_TOKENS = 24

@@ -65,6 +65,8 @@ from dflash.exporters.draft import export_draft
 from dflash.exporters.target import export_target
 from dflash.exporters.tiny import _CORPUS, make_tiny_target
 
+pytestmark = pytest.mark.slow  # exports models or runs many engines: left out of the fast subset (-m 'not slow')
+
 F32 = EXACT_OV_CONFIG
 NEW_TOKENS = 24
 EOS = 2  # <|im_end|>
