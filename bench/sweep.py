@@ -75,6 +75,7 @@ class BenchProgress:
     def setting_started(self, name: str, num_requests: int) -> None: ...
     def request_finished(self, num_generated_tokens: int) -> None: ...
     def setting_finished(self, result: SettingResult) -> None: ...
+    def report_updated(self, report: BenchReport) -> None: ...  # after every run of a setting
     def warning(self, message: str) -> None: ...
 
 
@@ -200,6 +201,7 @@ def _publish(report: BenchReport, runs, ratios, setting: _Setting, baseline: _Se
         report.settings[names.index(result.name)] = result
     else:
         report.settings.append(result)
+    progress.report_updated(report)
     if last:
         if result.agreement is not None:
             _warn_disagreement(result, report.exact, progress)

@@ -120,7 +120,7 @@ def bench(
             schedules=schedules,
             markov_top_ks=top_ks, chat=chat, warmup=warmup, rounds=rounds, baseline=not no_baseline, dataset=dataset,
         )  # fmt: skip
-        with _LiveProgress(output) as progress:
+        with _LiveProgress(output, json_file) as progress:
             report = run_bench(options, progress)
         from dflash.exporters import interrupts
 
@@ -229,9 +229,10 @@ def _verdict(report, output: Output, *, strict: bool, min_accepted_length: float
 
 
 class _LiveProgress:
-    """A rich progress bar per setting on stderr (only on a terminal and without --quiet)."""
+    """A rich progress bar per setting on stderr (only on a terminal and without --quiet); with --json,
+    the file is rewritten after every run of a setting."""
 
-    def __init__(self, output: Output):
+    def __init__(self, output: Output, json_file: Path | None = None):
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         from dflash.bench.sweep import BenchProgress
@@ -273,6 +274,10 @@ class _LiveProgress:
                     line += f", tau {result.spec['mean_accepted_length']:.2f}"
                 if not outer.enabled:
                     outer.output.info(f"[dim]{escape(line)}[/dim]")
+
+            def report_updated(self, report) -> None:
+                if json_file is not None:  # the figures so far, status "running": a kill loses at most one run
+                    _write_json(report, json_file)
 
             def warning(self, message: str) -> None:
                 outer.output.warning(escape(message))

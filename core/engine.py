@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -93,8 +94,11 @@ class LLMEngine:
         self.spec_stats = SpecDecodingStats()  # over every request since the engine started
         self.times = StepTimes()
         self._tracked: dict[str, TrackedRequest] = {}
-        self._pending: list[RequestOutput] = []  # requests that finished outside a step (errors at add)
+        self._pending: list[RequestOutput] = []  # requests that finished outside a step (errors, aborts)
         self._ids = itertools.count()
+        # One engine may be driven from several threads: every public call holds this lock, so steps
+        # never overlap and requests added from another thread join the next step.
+        self._lock = threading.RLock()
 
     def _make_kv_cache(self, runner, *, draft: bool) -> KVCacheManager:
         """A block pool sized as the config says, the runner's caches allocated to match."""
@@ -127,7 +131,10 @@ class LLMEngine:
         A request that can never run (empty prompt, too long for the model or the cache) is not
         raised: it finishes at once with an error in its result, so the other requests go on.
         """
-        params = params or SamplingParams()
+        with self._lock:
+            return self._add_request(prompt, params or SamplingParams(), req_id, chat)
+
+    def _add_request(self, prompt: Prompt, params: SamplingParams, req_id: str | None, chat: bool) -> str:
         req_id = req_id if req_id is not None else f"req-{next(self._ids)}"
         if req_id in self._tracked:
             raise InputError(f"request id {req_id!r} is already in use", "give each running request its own id")
@@ -147,19 +154,26 @@ class LLMEngine:
         return req_id
 
     def abort_request(self, req_id: str) -> bool:
-        """Stop a request now; its blocks return to the pool. False if unknown or already finished."""
-        if not self.scheduler.abort_request(req_id):
-            return False
-        self._finish(self._tracked[req_id])
-        return True
+        """Stop a request now; its blocks return to the pool, and the next step returns its final
+        output (finish_reason "abort"). False if unknown or already finished."""
+        with self._lock:
+            if not self.scheduler.abort_request(req_id):
+                return False
+            self._pending.append(self._finish(self._tracked[req_id]))
+            return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._pending)
+        with self._lock:
+            return self.scheduler.has_unfinished_requests() or bool(self._pending)
 
     # ---- the step ----------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return what each touched request produced."""
+        with self._lock:
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         outputs, self._pending = self._pending, []
         sched = self.scheduler.schedule()
@@ -269,11 +283,12 @@ class LLMEngine:
 
     def result(self, req_id: str) -> GenerationResult:
         """The result of a finished request (and forget it)."""
-        tracked = self._tracked.get(req_id)
-        if tracked is None or tracked.final_text is None:
-            raise ValueError(f"request {req_id!r} is unknown or has not finished")
-        del self._tracked[req_id]
-        return tracked.result(with_spec=self.has_draft)
+        with self._lock:
+            tracked = self._tracked.get(req_id)
+            if tracked is None or tracked.final_text is None:
+                raise ValueError(f"request {req_id!r} is unknown or has not finished")
+            del self._tracked[req_id]
+            return tracked.result(with_spec=self.has_draft)
 
     # ---- convenience ----------------------------------------------------------------------------------
 
@@ -293,8 +308,7 @@ class LLMEngine:
             self.run_until_done(on_output)
         except BaseException:
             for req_id in req_ids:  # Ctrl-C or a failed inference: give every block back
-                self.abort_request(req_id)
-                self._tracked.pop(req_id, None)
+                self._forget(req_id)
             raise
         return [self.result(req_id) for req_id in req_ids]
 
@@ -324,7 +338,13 @@ class LLMEngine:
                         raise InputError(output.error, "fix the prompt, or raise the engine's limits")
                     finished = finished or output.finished
         finally:
-            self.abort_request(req_id)
+            self._forget(req_id)
+
+    def _forget(self, req_id: str) -> None:
+        """Abort a request of our own (if it still runs) and drop it, with no output for anyone."""
+        with self._lock:
+            if self.abort_request(req_id):
+                self._pending = [o for o in self._pending if o.req_id != req_id]
             self._tracked.pop(req_id, None)
 
 

@@ -98,6 +98,7 @@ class DraftingStats:
     num_drafting: int = 0  # of them, with at least one candidate
     num_draft_steps: int = 0  # steps that ran a draft inference
     num_idle_steps: int = 0  # steps with requests to draft for but no draft inference (none paid)
+    num_kv_waits: int = 0  # (request, step) drafts put off because the draft's KV cache was full
 
     @property
     def drafting_share(self) -> float | None:
@@ -110,4 +111,5 @@ class DraftingStats:
             "drafting_share": self.drafting_share,
             "num_draft_steps": self.num_draft_steps,
             "num_idle_steps": self.num_idle_steps,
+            "num_kv_waits": self.num_kv_waits,
         }

@@ -21,8 +21,10 @@ One draft step, after each target step (`DFlashDrafter.step`):
                  otherwise none. A request that does not draft keeps its rows pending.
     select       candidates from the candidate rows (argmax, or the DSpark Markov head)
 
-A request whose draft cannot go on (draft cache full, rows missing from the ledger) stops drafting
-and finishes on the target alone: its tokens are still the target's own.
+A request for which the draft's KV cache has no room now waits (its rows stay pending) and drafts
+again when other requests give blocks back. A request whose draft cannot go on (it could never fit
+the draft's cache, rows missing from the ledger) stops drafting and finishes on the target alone:
+its tokens are still the target's own.
 """
 
 from __future__ import annotations
@@ -251,7 +253,13 @@ class DFlashDrafter:
         if num_rows == 0:
             return None
         if not self.kv_cache_manager.allocate_slots(request, num_rows, num_computed_tokens=state.num_consumed):
-            self._disable(request, "the draft KV cache is full")
+            # Blocks other requests hold come back when they end: wait (the rows stay pending) unless
+            # the request could never fit the whole draft cache or has waited too long.
+            never_fits = request.max_num_tokens + num_block_rows > self.kv_cache_manager.max_num_tokens
+            if never_fits or state.num_pending > self._max_pending_rows:
+                self._disable(request, "the draft KV cache is full")
+            else:
+                self.stats.num_kv_waits += 1
             return None
         return _Window(request, state, state.num_pending, num_candidates, num_block_rows)
 

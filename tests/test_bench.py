@@ -242,3 +242,20 @@ def test_bad_schedule_is_a_usage_error(pair, prompts_file):
     result = runner.invoke(app, [str(target), "--draft", str(draft), "--dataset", str(prompts_file),
                                  "--num-assistant-tokens-schedule", "fast"])  # fmt: skip
     assert result.exit_code == 2 and "--num-assistant-tokens-schedule" in result.output
+
+
+def test_the_report_is_handed_over_after_every_run(pair):
+    """The CLI rewrites --json from this callback: after each run of each setting, status "running"."""
+    target, draft = pair
+    seen = []
+
+    class Recorder(bench_sweep.BenchProgress):
+        def report_updated(self, report) -> None:
+            seen.append((report.status, [s.name for s in report.settings], [s.rounds for s in report.settings]))
+
+    options = bench_sweep.BenchOptions(target, draft, PROMPTS, engine_config=EngineConfig(ov_config=F32),
+                                       max_new_tokens=NEW_TOKENS, schedules=("constant",), rounds=2, warmup=0)  # fmt: skip
+    report = bench_sweep.run_bench(options, Recorder())
+    assert report.status == "complete"
+    names = ["baseline c=1", "spec c=1 k=auto constant"]
+    assert seen == [("running", names[:1], [1]), ("running", names, [1, 1]), ("running", names, [2, 1]), ("running", names, [2, 2])]

@@ -116,6 +116,7 @@ def engine(shared_engine) -> Iterator[LLMEngine]:
     for req_id in list(shared_engine.scheduler.requests):
         shared_engine.abort_request(req_id)
     shared_engine._tracked.clear()
+    shared_engine._pending.clear()
 
 
 # ---- helpers -------------------------------------------------------------------------------------
@@ -536,7 +537,10 @@ def test_abort_mid_run_frees_the_blocks(qwen3, engine):
     assert not engine.abort_request("no-such-request")
     waiting = engine.add_request(PROMPTS[0], GREEDY)  # aborted before it ever ran
     assert engine.abort_request(waiting)
-    engine.run_until_done()
+    outputs = []
+    engine.run_until_done(outputs.append)
+    finals = {o.req_id: o for o in outputs if o.finished}
+    assert finals[victim].finish_reason == finals[waiting].finish_reason == "abort"  # aborts show as outputs
     results = [engine.result(req_id) for req_id in req_ids]
     assert results[0].token_ids == qwen3.reference[2]
     assert results[2].token_ids == qwen3.reference[4]
@@ -545,6 +549,31 @@ def test_abort_mid_run_frees_the_blocks(qwen3, engine):
     assert aborted.token_ids == qwen3.reference[3][: len(aborted.token_ids)]
     never_ran = engine.result(waiting)
     assert never_ran.finish_reason == "abort" and never_ran.token_ids == []
+    assert_pool_clean(engine)
+
+
+def test_two_threads_on_one_engine_get_the_tokens_of_one_thread(qwen3, engine):
+    """Every public call holds the engine's lock: two threads that each generate their own prompts
+    (their requests share steps) get exactly the target's tokens, and the pool ends clean."""
+    import threading
+
+    halves = [PROMPTS[:3], PROMPTS[3:6]]
+    results: dict[int, list] = {}
+    errors: list[BaseException] = []
+
+    def run(index: int) -> None:
+        try:
+            results[index] = engine.generate(halves[index], GREEDY)
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert not errors and not any(t.is_alive() for t in threads)
+    assert [r.token_ids for r in results[0] + results[1]] == qwen3.reference[:6]
     assert_pool_clean(engine)
 
 

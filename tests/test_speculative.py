@@ -708,6 +708,20 @@ def test_prefix_cache_hits_on_both_pipelines(engines, mixed_reference, baseline,
     assert second.results[0].spec.to_json() == first.results[0].spec.to_json()
 
 
+def test_a_full_draft_cache_makes_requests_wait_then_draft_again(engines, mixed_reference):
+    """6 draft blocks hold any one request but not sixteen: requests wait for blocks that others
+    give back, then draft; none gives up (no warning)."""
+    engine = engines.get("mixed", "dspark_ctx", num_draft_kv_blocks=6)
+    waits, num_warnings = engine.drafter.stats.num_kv_waits, len(engine.warnings)
+    run = run_all(engine, SIXTEEN)
+    assert [r.token_ids for r in run.results] == [mixed_reference[t] for t in SIXTEEN]
+    check_metrics(run)
+    assert engine.drafter.stats.num_kv_waits > waits and len(engine.warnings) == num_warnings
+    # Sixteen requests take turns on a cache that holds about one: most get their turn (12 here;
+    # giving up at the first full cache, as requests did before, left most of them on the target).
+    assert sum(1 for r in run.results if r.spec.num_drafts > 0) >= 10
+
+
 def test_draft_cache_too_small_finishes_on_the_target(engines, mixed_reference):
     # 3 draft blocks: the 138-token prompt never fits, and the others take turns.
     engine = engines.get("mixed", "dspark_ctx", num_draft_kv_blocks=3)
