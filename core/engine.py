@@ -23,7 +23,6 @@ token for token: a candidate is committed only where it equals the target's argm
 from __future__ import annotations
 
 import itertools
-import json
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -31,22 +30,17 @@ from pathlib import Path
 
 import numpy as np
 
-from .block_pool import BlockPool
 from .config import EngineConfig, SamplingParams
 from .detokenizer import IncrementalDetokenizer
-from .draft_runner import DraftRunner, read_draft_spec
 from .drafter import Candidates, NoDrafter, TargetStep
 from .errors import InputError
-from .kv_cache_manager import KVCacheManager
-from .markov import load_markov_head
+from .loading import load_pipelines
 from .metrics import SpecDecodingStats, StepTimes
-from .model_runner import StepInputs, TargetRunner, read_ov_model
+from .model_runner import pack_target_rows
 from .outputs import GenerationResult, RequestOutput, TrackedRequest
-from .paged import SequenceSlice
 from .request import Request, RequestStatus
 from .sampler import Sampler
 from .scheduler import Scheduler, SchedulerOutput
-from .speculative import DFlashDrafter
 from .stopping import StopChecker
 from .tokenization import Prompt, load_tokenizer, stop_token_ids_of, tokenize_prompt
 from .verification import Verdict, accept_greedy, cut_at_stop
@@ -63,26 +57,10 @@ class LLMEngine:
         self.config = config or EngineConfig()
         self.model_dir = Path(model_dir)
         self.tokenizer = load_tokenizer(self.model_dir)
-        model_config = _model_config(self.model_dir)
-        draft_model = read_ov_model(draft_dir) if draft_dir is not None else None
-        # A DSpark head is loaded before anything is compiled, so a missing one fails fast.
-        markov = None
-        if draft_model is not None and self.config.use_markov_head:
-            markov = load_markov_head(draft_dir, draft_model, device=self.config.device,
-                                      ov_config=self.config.ov_config, vocab_size=model_config.get("vocab_size"))  # fmt: skip
-        self.runner = TargetRunner(
-            self.model_dir,
-            device=self.config.device,
-            ov_config=self.config.ov_config,
-            hidden_layer_ids=read_draft_spec(draft_model).target_layer_ids if draft_model is not None else (),
-        )
-        self.kv_cache_manager = self._make_kv_cache(self.runner, draft=False)
+        pipelines = load_pipelines(self.model_dir, draft_dir, self.config)
+        self.runner, self.drafter, self.kv_cache_manager = pipelines.runner, pipelines.drafter, pipelines.kv_cache_manager
         self.block_pool = self.kv_cache_manager.pool
-        self.drafter: DFlashDrafter | NoDrafter = NoDrafter()
-        if draft_model is not None:
-            draft_runner = DraftRunner(draft_model, self.model_dir, device=self.config.device, ov_config=self.config.ov_config)
-            self.drafter = DFlashDrafter(draft_runner, self._make_kv_cache(draft_runner, draft=True),
-                                         markov=markov, markov_top_k=self.config.markov_head_top_k)  # fmt: skip
+        model_config = pipelines.model_config
         self.scheduler = Scheduler(
             self.config.scheduler_config(model_config.get("max_position_embeddings")),
             self.kv_cache_manager,
@@ -100,13 +78,6 @@ class LLMEngine:
         # never overlap and requests added from another thread join the next step.
         self._lock = threading.RLock()
 
-    def _make_kv_cache(self, runner, *, draft: bool) -> KVCacheManager:
-        """A block pool sized as the config says, the runner's caches allocated to match."""
-        cache = self.config.cache_config(runner.block_size, draft=draft)
-        num_blocks = cache.resolve_num_blocks(runner.bytes_per_block)
-        runner.allocate_cache(num_blocks)
-        return KVCacheManager(BlockPool(num_blocks, cache.block_size, cache.enable_prefix_caching))
-
     @property
     def has_draft(self) -> bool:
         return not isinstance(self.drafter, NoDrafter)
@@ -118,14 +89,8 @@ class LLMEngine:
 
     # ---- requests ------------------------------------------------------------------------------
 
-    def add_request(
-        self,
-        prompt: Prompt,
-        params: SamplingParams | None = None,
-        *,
-        req_id: str | None = None,
-        chat: bool = False,
-    ) -> str:
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, *, req_id: str | None = None,
+                    chat: bool = False) -> str:  # fmt: skip
         """Queue a prompt (text, token ids, or chat messages). Returns its request id.
 
         A request that can never run (empty prompt, too long for the model or the cache) is not
@@ -192,29 +157,12 @@ class LLMEngine:
     def _run_target(self, sched: SchedulerOutput, step_start: float) -> TargetStep:
         """Pack the scheduled rows, run the target once, verify what reached the end of its tokens."""
         scheduled = [(s, self.scheduler.get_request(s.req_id)) for s in sched.scheduled]
-        inputs = self._pack(scheduled)
+        inputs = pack_target_rows(scheduled, self.kv_cache_manager.block_table)
         start = time.perf_counter()
         target_out = self.runner.run(inputs)
         self.times.target_s += time.perf_counter() - start
         verdicts = self._verify(scheduled, target_out.logits)
         return TargetStep(scheduled, target_out.hidden_states, verdicts, len(inputs.token_ids), time.perf_counter() - step_start)
-
-    def _pack(self, scheduled: list[tuple]) -> StepInputs:
-        """The scheduled rows of every request, in order, as one PagedAttention call."""
-        seqs, token_ids, sample_rows = [], [], []
-        for s, request in scheduled:
-            start = s.num_computed_tokens_before
-            first_row = len(token_ids)
-            token_ids.extend(request.token_ids_with_spec(start, start + s.num_new_tokens))
-            if s.samples:
-                last_row = first_row + s.num_new_tokens
-                sample_rows.extend(range(last_row - s.num_sampled_rows, last_row))
-            seqs.append(SequenceSlice(start, s.num_new_tokens, self.kv_cache_manager.block_table(s.req_id)))
-        return StepInputs(
-            seqs=seqs,
-            token_ids=np.asarray(token_ids, dtype=np.int64),  # [num_tokens]
-            sample_rows=np.asarray(sample_rows, dtype=np.int64),  # [num_sampled]
-        )
 
     def _verify(self, scheduled: list[tuple], logits: np.ndarray) -> dict[str, Verdict]:
         """What each request that reached the end of its tokens commits: one sampled (or greedy)
@@ -346,12 +294,3 @@ class LLMEngine:
             if self.abort_request(req_id):
                 self._pending = [o for o in self._pending if o.req_id != req_id]
             self._tracked.pop(req_id, None)
-
-
-def _model_config(model_dir: Path) -> dict:
-    """The exported config.json (for max_position_embeddings and vocab_size); {} if unreadable."""
-    try:
-        config = json.loads((model_dir / "config.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    return config if isinstance(config, dict) else {}

@@ -7,7 +7,7 @@ target hidden states of every row.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +44,28 @@ class StepInputs:
 class StepOutputs:
     logits: np.ndarray  # [num_sampled, vocab] f32
     hidden_states: np.ndarray | None  # [num_tokens, k * hidden] f32, when hidden layers were requested
+
+
+def pack_target_rows(scheduled: Sequence[tuple], block_table: Callable[[str], list[int]]) -> StepInputs:
+    """The scheduled rows of every request, in order, as one PagedAttention call.
+
+    scheduled: (ScheduledRequest, Request) pairs; a request's rows are its committed tokens and then
+    its candidates from `num_computed_tokens_before` on, and the last `num_sampled_rows` of them sample.
+    """
+    seqs, token_ids, sample_rows = [], [], []
+    for s, request in scheduled:
+        start = s.num_computed_tokens_before
+        first_row = len(token_ids)
+        token_ids.extend(request.token_ids_with_spec(start, start + s.num_new_tokens))
+        if s.samples:
+            last_row = first_row + s.num_new_tokens
+            sample_rows.extend(range(last_row - s.num_sampled_rows, last_row))
+        seqs.append(SequenceSlice(start, s.num_new_tokens, block_table(s.req_id)))
+    return StepInputs(
+        seqs=seqs,
+        token_ids=np.asarray(token_ids, dtype=np.int64),  # [num_tokens]
+        sample_rows=np.asarray(sample_rows, dtype=np.int64),  # [num_sampled]
+    )
 
 
 def read_ov_model(model_dir: str | Path) -> ov.Model:

@@ -1,0 +1,67 @@
+"""Loading an engine's models: the target on PagedAttention, and the draft (with its Markov head)
+as the second pipeline, each with a KV block pool sized as the engine's config says."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from .block_pool import BlockPool
+from .config import EngineConfig
+from .draft_runner import DraftRunner, read_draft_spec
+from .drafter import NoDrafter
+from .kv_cache_manager import KVCacheManager
+from .markov import load_markov_head
+from .model_runner import TargetRunner, read_ov_model
+from .speculative import DFlashDrafter
+
+
+@dataclass
+class Pipelines:
+    """The target's runner and KV pool, and the drafter (NoDrafter for the target alone)."""
+
+    runner: TargetRunner
+    kv_cache_manager: KVCacheManager
+    drafter: DFlashDrafter | NoDrafter
+    model_config: dict  # the target's config.json ({} if unreadable)
+
+
+def load_pipelines(model_dir: Path, draft_dir: str | Path | None, config: EngineConfig) -> Pipelines:
+    model_config = read_model_config(model_dir)
+    draft_model = read_ov_model(draft_dir) if draft_dir is not None else None
+    # A DSpark head is loaded before anything is compiled, so a missing one fails fast.
+    markov = None
+    if draft_model is not None and config.use_markov_head:
+        markov = load_markov_head(draft_dir, draft_model, device=config.device, ov_config=config.ov_config,
+                                  vocab_size=model_config.get("vocab_size"))  # fmt: skip
+    runner = TargetRunner(
+        model_dir,
+        device=config.device,
+        ov_config=config.ov_config,
+        hidden_layer_ids=read_draft_spec(draft_model).target_layer_ids if draft_model is not None else (),
+    )
+    kv_cache_manager = _make_kv_cache(runner, config, draft=False)
+    drafter: DFlashDrafter | NoDrafter = NoDrafter()
+    if draft_model is not None:
+        draft_runner = DraftRunner(draft_model, model_dir, device=config.device, ov_config=config.ov_config)
+        drafter = DFlashDrafter(draft_runner, _make_kv_cache(draft_runner, config, draft=True),
+                                markov=markov, markov_top_k=config.markov_head_top_k)  # fmt: skip
+    return Pipelines(runner, kv_cache_manager, drafter, model_config)
+
+
+def _make_kv_cache(runner, config: EngineConfig, *, draft: bool) -> KVCacheManager:
+    """A block pool sized as the config says, the runner's caches allocated to match."""
+    cache = config.cache_config(runner.block_size, draft=draft)
+    num_blocks = cache.resolve_num_blocks(runner.bytes_per_block)
+    runner.allocate_cache(num_blocks)
+    return KVCacheManager(BlockPool(num_blocks, cache.block_size, cache.enable_prefix_caching))
+
+
+def read_model_config(model_dir: Path) -> dict:
+    """The exported config.json (for max_position_embeddings and vocab_size); {} if unreadable."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
