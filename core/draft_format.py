@@ -33,6 +33,11 @@ class DraftMetadata:
     markov_head_type: str | None
     per_row: bool  # the model has a `token_type_ids` input (the layout PagedAttention drafting needs)
 
+    @property
+    def max_candidates(self) -> int:
+        """Candidates one block can yield: its rows after the offset."""
+        return self.block_size - self.candidate_position_offset
+
 
 def read_draft_metadata(model, *, require_per_row: bool = True) -> DraftMetadata:
     """Parse the DFlash rt_info of an `ov.Model` (read_model of `openvino_model.xml`).

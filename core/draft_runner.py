@@ -27,22 +27,6 @@ CONTEXT_ROW = 0
 BLOCK_ROW = 1
 
 
-@dataclass(frozen=True)
-class DraftSpec:
-    """What the engine needs to know of a draft, from its rt_info."""
-
-    mask_token_id: int
-    target_layer_ids: tuple[int, ...]
-    block_size: int
-    candidate_position_offset: int
-    markov_rank: int
-
-    @property
-    def max_candidates(self) -> int:
-        """Candidates one block can yield: its rows after the offset."""
-        return self.block_size - self.candidate_position_offset
-
-
 @dataclass
 class DraftInputs:
     """One packed draft inference."""
@@ -52,17 +36,6 @@ class DraftInputs:
     token_type_ids: np.ndarray  # [num_tokens] i64: 0 context row, 1 block row
     hidden_states: np.ndarray  # [num_tokens, k * H_target] f32: zeros on block rows (unused)
     candidate_rows: np.ndarray  # [num_candidates] i64
-
-
-def read_draft_spec(model: ov.Model) -> DraftSpec:
-    meta = read_draft_metadata(model)
-    return DraftSpec(
-        mask_token_id=meta.mask_token_id,
-        target_layer_ids=tuple(meta.target_layer_ids),
-        block_size=meta.block_size,
-        candidate_position_offset=meta.candidate_position_offset,
-        markov_rank=meta.markov_rank,
-    )
 
 
 class DraftRunner(PagedModel):
@@ -77,7 +50,7 @@ class DraftRunner(PagedModel):
         ov_config: dict[str, str] | None = None,
     ):
         model = draft if isinstance(draft, ov.Model) else read_ov_model(draft)
-        self.spec = read_draft_spec(model)
+        self.spec = read_draft_metadata(model)  # the draft's contract: mask token, layers, block, offset
         target = read_ov_model(target_dir)  # a throwaway copy: its weight subgraphs move to the draft
         _check_widths(model, target)
         graft_embedding(model, target)

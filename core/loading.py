@@ -9,7 +9,8 @@ from pathlib import Path
 
 from .block_pool import BlockPool
 from .config import EngineConfig
-from .draft_runner import DraftRunner, read_draft_spec
+from .draft_format import read_draft_metadata
+from .draft_runner import DraftRunner
 from .drafter import NoDrafter
 from .kv_cache_manager import KVCacheManager
 from .markov import load_markov_head
@@ -39,7 +40,7 @@ def load_pipelines(model_dir: Path, draft_dir: str | Path | None, config: Engine
         model_dir,
         device=config.device,
         ov_config=config.ov_config,
-        hidden_layer_ids=read_draft_spec(draft_model).target_layer_ids if draft_model is not None else (),
+        hidden_layer_ids=read_draft_metadata(draft_model).target_layer_ids if draft_model is not None else (),
     )
     kv_cache_manager = _make_kv_cache(runner, config, draft=False)
     drafter: DFlashDrafter | NoDrafter = NoDrafter()
