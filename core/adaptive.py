@@ -18,7 +18,9 @@ up in one packed pass when it drafts again, a cost charged to its first candidat
 
 q_r(i) is per request, so one request whose draft fails does not stop the others: decayed counts of
 its own verifications (recent steps weigh more: acceptance changes along a response), shrunk towards
-the engine-wide figure by `prior_weight` pseudo-steps. Positions never measured are extrapolated
+the engine-wide figure by `prior_weight` pseudo-steps. While a request drafts nothing its own
+evidence fades (`pause_decay` per step), so a request that stopped on a bad streak comes back when
+the engine-wide figure says drafting pays, and one whose draft really fails stays near its probes. Positions never measured are extrapolated
 with the last measured ratio q(i) / q(i - 1).
 
 A request that stopped drafting is probed again: after `probe_after` steps without candidates it
@@ -117,6 +119,13 @@ class AcceptanceCounts:
         self.drafted[:num_drafted] += 1.0
         self.accepted[:num_accepted] += 1.0
 
+    def fade(self, factor: float) -> None:
+        """Weigh the evidence so far by `factor` (a paused request's estimate drifts to the prior)."""
+        if len(self.drafted):
+            self.drafted *= factor
+            self.accepted *= factor
+            self.version += 1
+
     def estimate(self, length: int, prior: Sequence[float] | None = None, prior_weight: float = 0.0) -> list[float]:
         """q(0..length-1): counts shrunk towards `prior`, made non-increasing (accepting position i
         needs every earlier one accepted). A position this request never drafted continues from its
@@ -179,9 +188,10 @@ class AdaptiveSchedule:
     """Per-request candidate counts that maximize the expected tokens per second of the next step."""
 
     min_steps: int = 8
-    prior_weight: float = 2.0
-    request_decay: float = 0.8
+    prior_weight: float = 12.0
+    request_decay: float = 0.9
     engine_decay: float = 0.98
+    pause_decay: float = 0.95  # per step without candidates, a request's own evidence fades toward the prior
     probe_after: int = 4
     max_probe_after: int = 64
     probe_candidates: int = 4
@@ -237,6 +247,8 @@ class AdaptiveSchedule:
         for c in candidates:
             state = self._state(c.req_id)
             state.steps_without = 0 if ks[c.req_id] else state.steps_without + 1
+            if not ks[c.req_id]:
+                state.counts.fade(self.pause_decay)
         self.num_decisions += len(candidates)
         self.num_drafting += sum(1 for k in ks.values() if k)
         return ks
