@@ -58,6 +58,7 @@ class LinearCost:
         self.min_spread = min_spread  # standard deviation each count needs across the window
         self.refit_every = refit_every  # observations between two fits (a fit costs more than a step's choice)
         self._fit: np.ndarray | None = None  # [fixed, per_unit...]
+        self._fit_tuple: tuple[float, ...] | None = None
         self._num_new = 0
 
     def observe(self, counts: int | tuple[int, ...], seconds: float) -> None:
@@ -73,7 +74,8 @@ class LinearCost:
             seconds = np.array([s for _, s in self._samples], dtype=np.float64)
             if np.all(counts.std(axis=0) >= self.min_spread):
                 self._fit = _non_negative_least_squares(counts, seconds)
-        return None if self._fit is None else tuple(float(c) for c in self._fit)
+                self._fit_tuple = tuple(float(c) for c in self._fit)
+        return self._fit_tuple
 
     def seconds(self, *counts: int) -> float:
         """Predicted seconds (as of the latest fit())."""
@@ -164,6 +166,9 @@ def _extrapolate(q: list[float]) -> float:
     return q[-1] * min(1.0, q[-1] / q[-2])
 
 
+_FADE_EVERY = 8  # steps between two fades of a paused request's evidence
+
+
 @dataclass
 class _RequestState:
     counts: AcceptanceCounts
@@ -249,8 +254,8 @@ class AdaptiveSchedule:
         for c in candidates:
             state = self._state(c.req_id)
             state.steps_without = 0 if ks[c.req_id] else state.steps_without + 1
-            if not ks[c.req_id]:
-                state.counts.fade(self.pause_decay)
+            if state.steps_without and state.steps_without % _FADE_EVERY == 0:  # batched: cheaper
+                state.counts.fade(self.pause_decay**_FADE_EVERY)
         self.num_decisions += len(candidates)
         self.num_drafting += sum(1 for k in ks.values() if k)
         return ks
@@ -274,12 +279,18 @@ class AdaptiveSchedule:
             ((q, c) for c in candidates for q in self.estimate(c.req_id, c.cap)),
             key=lambda slot: -slot[0],
         )  # each request's q is non-increasing, so a prefix of slots is a prefix of each block
-        base_seconds = self.target_cost.seconds(num_generating)
-        if other_draft_rows[0]:  # the draft runs anyway (other schedules' blocks)
-            base_seconds += self.draft_cost.seconds(*other_draft_rows)
-        best_rate, best_len = num_generating / base_seconds, 0
-        tokens, rows, (draft_rows, draft_candidates), drafting = float(num_generating), num_generating, other_draft_rows, set()
+        t_fixed, t_row = self.target_cost.fit()
+        d_fixed, d_row, d_candidate = self.draft_cost.fit()
+        # A slot costs at least this much; once q / cheapest falls to the best rate, no later slot
+        # (q only falls) can raise the rate again, so the scan stops.
+        cheapest = t_row + d_row + d_candidate
+        draft_rows, draft_candidates = other_draft_rows
+        draft_seconds = d_fixed + d_row * draft_rows + d_candidate * draft_candidates if draft_rows else 0.0
+        best_rate = num_generating / (t_fixed + t_row * num_generating + draft_seconds)
+        best_len, tokens, rows, drafting = 0, float(num_generating), num_generating, set()
         for length, (q, c) in enumerate(slots, start=1):
+            if q <= 0 or (cheapest > 0 and q / cheapest <= best_rate):
+                break
             tokens += q
             rows += 1
             draft_rows += 1
@@ -287,7 +298,7 @@ class AdaptiveSchedule:
             if c.req_id not in drafting:  # its first candidate: its block's other rows, and the
                 drafting.add(c.req_id)  # committed rows it has not read yet (caught up now)
                 draft_rows += offset + c.num_pending_rows
-            seconds = self.target_cost.seconds(rows) + self.draft_cost.seconds(draft_rows, draft_candidates)
+            seconds = t_fixed + t_row * rows + d_fixed + d_row * draft_rows + d_candidate * draft_candidates
             if tokens / seconds > best_rate:
                 best_rate, best_len = tokens / seconds, length
         ks = {c.req_id: 0 for c in candidates}
