@@ -60,7 +60,7 @@ def ensure_default_pair(kind: str = "dflash", *, on_step: Callable[[str], None] 
     target_dir = _ensure(root / f"{TARGET_NAME}-{TARGET_WEIGHT_FORMAT}", lambda out: _export_target(out, step), step)
     source = DRAFTS_DIR / DRAFTS[kind]
     draft_dir = _ensure(
-        root / f"{DRAFTS[kind]}-{DRAFT_WEIGHT_FORMAT}",
+        root / f"{DRAFTS[kind]}-{DRAFT_WEIGHT_FORMAT}-{_draft_digest(DRAFTS_DIR / DRAFTS[kind])}",
         lambda out: _export_draft(source, out, step),
         step,
         version=f"{_DRAFT_VERSION}-{_fingerprint(source)}",
@@ -78,6 +78,18 @@ def _fingerprint(folder: Path) -> str:
             digest.update(file.name.encode())
             digest.update(file.read_bytes())
     return digest.hexdigest()[:16]
+
+
+def _draft_digest(folder: Path) -> str:
+    """A short digest of the shipped draft's config and weights: a new draft gets a new cache folder."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name in ("config.json", "model.safetensors"):
+        path = folder / name
+        if path.is_file():
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:10]
 
 
 def _ensure(folder: Path, export: Callable[[Path], None], step: Callable[[str], None], version: int | str = _VERSION) -> Path:

@@ -207,7 +207,7 @@ case "$MODE" in
     cp "$REPO/.dev/smollm2.gguf.part00" "$DEV/"
     log "stashed $(ls -l "$DEV"/smollm2.gguf.part00)"
     setup_python
-    smoke
+    if [ "${SMOKE:-1}" = 1 ]; then smoke; fi
     ;;
   run)
     join_gguf
