@@ -10,7 +10,6 @@ for a DSpark draft with a Markov head, the head's own IR.
 from __future__ import annotations
 
 import shutil
-import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -26,6 +25,7 @@ from dflash.exporters.markov_head import markov_head_from_weights, save_markov_h
 from dflash.exporters.staging import check_output_dir, publish, saving, staging_dir
 
 from . import interrupts
+from .tracing import name_ports, trace_and_convert
 
 WEIGHT_FORMATS = ("fp32", "fp16", "int8", "int4")
 
@@ -184,28 +184,6 @@ def convert_draft(model: DraftModel):
     name_ports(ov_model, [*INPUT_NAMES, *kv_inputs], [OUTPUT_NAME, *kv_outputs])
     make_draft_stateful(ov_model, kv_inputs, kv_outputs)
     return ov_model
-
-
-def trace_and_convert(module: torch.nn.Module, example: tuple, inputs: list):
-    """TorchScript-trace `module` on `example` and convert it with `inputs` as (shape, type) per input.
-
-    Tracing here rather than inside `convert_model` skips the trace re-run check, which doubles the
-    cost and only warns about the data-dependent shapes the mask computes on purpose.
-    """
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # TracerWarnings about shape arithmetic, jit deprecation notes
-        traced = torch.jit.trace(module.eval(), example, check_trace=False)
-        return ov.convert_model(traced, example_input=example, input=inputs)
-
-
-def name_ports(ov_model, input_names: list[str], output_names: list[str]) -> None:
-    """Give each input its tensor name and the same friendly name: SDPAToPagedAttention recognises
-    `inputs_embeds` by the Parameter's friendly name, and a traced Parameter's is arbitrary."""
-    for port, name in zip(ov_model.inputs, input_names, strict=True):
-        port.get_tensor().set_names({name})
-        port.get_node().set_friendly_name(name)
-    for port, name in zip(ov_model.outputs, output_names, strict=True):
-        port.get_tensor().set_names({name})
 
 
 def make_draft_stateful(ov_model, kv_inputs: list[str], kv_outputs: list[str]) -> None:

@@ -24,6 +24,7 @@ from dflash.core.draft_format import (  # noqa: F401 - re-exported: the head's c
     TOPK_OUTPUT,
     markov_head_part,
 )
+from dflash.exporters.tracing import name_ports, trace_and_convert
 
 DEFAULT_TOP_K = 8
 
@@ -78,7 +79,6 @@ def convert_markov_head(head: MarkovHead, top_k: int = DEFAULT_TOP_K):
         ([-1, -1], ov.Type.i64),
     ]
     # Imported here: draft.py imports this module for the export.
-    from dflash.exporters.draft import name_ports, trace_and_convert
 
     model = trace_and_convert(head, example, inputs)
     name_ports(model, [*DENSE_INPUTS, *TOPK_INPUTS], [DENSE_OUTPUT, TOPK_OUTPUT])

@@ -7,7 +7,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from dflash.core.errors import InputError, ModelFormatError
+from dflash.core.errors import ModelFormatError
+
+from .roles import read_source_config
 
 StepCallback = Callable[[str], None]
 
@@ -25,34 +27,6 @@ class ExportResult:
             "draft": str(self.draft_dir) if self.draft_dir else None,
             "validation": self.validation.to_json() if self.validation is not None else None,
         }
-
-
-def read_source_config(model: str | Path) -> dict:
-    """config.json of a local folder or a hub id (only that file is fetched for a hub id)."""
-    path = Path(model)
-    if path.exists():
-        if not path.is_dir():
-            raise InputError(f"{model} is a file, not a model folder", "pass the folder that holds config.json")
-        config_file = path / "config.json"
-        if not config_file.is_file():
-            raise InputError(f"{model} has no config.json", "pass a Hugging Face model folder or a hub id")
-    elif str(model).startswith((".", "/", "~")) or str(model).count("/") > 1:
-        # A hub id is `org/name` (or a bare legacy name); anything else that names no folder is a path.
-        raise InputError(f"no folder {model}", "pass a local model folder, or a hub id such as org/name")
-    else:
-        try:
-            from huggingface_hub import hf_hub_download
-
-            config_file = Path(hf_hub_download(str(model), "config.json"))
-        except Exception as exc:  # noqa: BLE001 - any hub failure means the same thing to the user
-            raise InputError(
-                f"{model} is neither a local folder nor a reachable hub model ({type(exc).__name__})",
-                "check the path, or the hub id and your network / HF_TOKEN",
-            ) from exc
-    try:
-        return json.loads(config_file.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise InputError(f"cannot parse {config_file}: {exc}", "fix or re-download config.json") from exc
 
 
 def export_models(

@@ -70,3 +70,31 @@ def _is_causal_lm_model_type(model_type: object) -> bool:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     return model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+
+def read_source_config(model: str | Path) -> dict:
+    """config.json of a local folder or a hub id (only that file is fetched for a hub id)."""
+    path = Path(model)
+    if path.exists():
+        if not path.is_dir():
+            raise InputError(f"{model} is a file, not a model folder", "pass the folder that holds config.json")
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise InputError(f"{model} has no config.json", "pass a Hugging Face model folder or a hub id")
+    elif str(model).startswith((".", "/", "~")) or str(model).count("/") > 1:
+        # A hub id is `org/name` (or a bare legacy name); anything else that names no folder is a path.
+        raise InputError(f"no folder {model}", "pass a local model folder, or a hub id such as org/name")
+    else:
+        try:
+            from huggingface_hub import hf_hub_download
+
+            config_file = Path(hf_hub_download(str(model), "config.json"))
+        except Exception as exc:  # noqa: BLE001 - any hub failure means the same thing to the user
+            raise InputError(
+                f"{model} is neither a local folder nor a reachable hub model ({type(exc).__name__})",
+                "check the path, or the hub id and your network / HF_TOKEN",
+            ) from exc
+    try:
+        return json.loads(config_file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise InputError(f"cannot parse {config_file}: {exc}", "fix or re-download config.json") from exc

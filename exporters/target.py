@@ -39,8 +39,7 @@ from dflash.core.hidden_states import (
 )
 
 from . import interrupts
-from .pair import read_source_config
-from .roles import detect_role
+from .roles import detect_role, read_source_config
 from .staging import check_output_dir, disk_full_error, publish, saving, staging_dir
 
 __all__ = ["WEIGHT_FORMATS", "detect_role", "export_target"]
