@@ -10,7 +10,7 @@ import typer
 from rich.markup import escape
 
 from ._errors import EXIT_INTERRUPTED, handled_errors
-from ._options import AssistantSchedule, DebugOpt, OvConfigOpt, QuietOpt, parse_ov_config
+from ._options import AssistantSchedule, DebugOpt, DraftKind, OvConfigOpt, QuietOpt, parse_ov_config
 from ._output import Output
 from ._preflight import check_writable
 
@@ -42,8 +42,8 @@ def bench(
         Optional[Path], typer.Option("--draft", help="An exported DFlash/DSpark draft (required with TARGET_DIR).", show_default=False)
     ] = None,
     default_draft: Annotated[
-        str, typer.Option("--default-draft", help="Without TARGET_DIR: the embedded draft, dflash or dspark.")
-    ] = "dflash",
+        DraftKind, typer.Option("--default-draft", help="Without TARGET_DIR: which trained default draft runs beside SmolLM2.")
+    ] = DraftKind.dflash,
     dataset: Annotated[
         str, typer.Option("--dataset", help="humaneval (164 prompts) or a prompts file (.txt / .jsonl).")
     ] = "humaneval",
@@ -113,7 +113,7 @@ def bench(
         prompts = load_dataset(dataset, num_prompts)
         if target_dir is not None and draft is None:
             raise InputError("a target needs a draft to benchmark", "pass --draft DRAFT_DIR, or no TARGET_DIR for the embedded pair")
-        target_dir, draft = _resolve_pair(target_dir, draft, default_draft, output)
+        target_dir, draft = _resolve_pair(target_dir, draft, default_draft.value, output)
         options = BenchOptions(
             target_dir=target_dir, draft_dir=draft, prompts=prompts, engine_config=config,
             max_new_tokens=max_new_tokens, concurrencies=concurrencies, num_assistant_tokens=assistant_tokens,
