@@ -169,3 +169,38 @@ def test_replay_counts_like_the_engine():
     steps, drafted, accepted = replay_engine(answer, predictions, 3)
     # seed 0: drafts 3, accepts 2 -> seed 3; seed 3: room 7-4-1=2 -> drafts 2, accepts 2 -> seed 6: the last token.
     assert steps == 2 and drafted == [2, 2, 1] and accepted == [2, 2, 0]
+
+
+def test_eval_draft_agrees_with_the_engine_under_f32(root, target_src, target, examples):
+    """`evaluate_draft` (PyTorch) and the engine's counters on the same prompts: tau and every position."""
+    from dflash.core.config import EXACT_OV_CONFIG, SamplingParams
+    from dflash.core.engine import EngineConfig, LLMEngine
+    from dflash.core.metrics import SpecDecodingStats
+    from dflash.core.tokenization import tokenize_prompt
+    from dflash.exporters.draft import export_draft
+    from dflash.exporters.target import export_target
+
+    options = _options(steps=40, loss="ce", save_dtype="float16")  # fp16 weights: the export holds the same values
+    train_draft(target, examples, root / "eval_ckpt", options)
+    target_ov = export_target(target_src, root / "eval_target_ov", weight_format="fp16")
+    draft_ov = export_draft(root / "eval_ckpt", root / "eval_draft_ov", weight_format="fp16", target_hidden_size=64)
+
+    prompts = builtin_prompts(12)[8:12]  # prompts the draft never trained on
+    new_tokens = 20
+    engine = LLMEngine(target_ov, EngineConfig(ov_config=EXACT_OV_CONFIG), draft_dir=draft_ov)
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, num_assistant_tokens_schedule="constant")
+    direct = SpecDecodingStats()
+    for prompt in prompts:
+        (result,) = engine.generate([prompt], params, chat=True)
+        direct.merge(result.spec)
+
+    fp16_target = load_target(target_src, CPU)
+    fp16_target.model.half().float()  # the exported target's fp16-rounded weights, computed in f32
+    draft, config = load_trained_draft(root / "eval_ckpt", CPU)
+    prompt_ids = [tokenize_prompt(fp16_target.tokenizer, p, chat=True)[1] for p in prompts]
+    mine = evaluate_draft(fp16_target, draft, config, prompt_ids, max_new_tokens=new_tokens)
+    engine_acceptance = direct.acceptance_by_position
+    assert direct.num_accepted_tokens > 0  # the draft accepts something: the comparison is not vacuous
+    assert mine.mean_accepted_length == pytest.approx(direct.mean_accepted_length, abs=0.05)
+    for position in range(min(4, len(engine_acceptance))):
+        assert mine.acceptance_by_position[position] == pytest.approx(engine_acceptance[position], abs=0.05)
