@@ -18,7 +18,8 @@ up in one packed pass when it drafts again, a cost charged to its first candidat
 
 q_r(i) is per request, so one request whose draft fails does not stop the others: decayed counts of
 its own verifications (recent steps weigh more: acceptance changes along a response), shrunk towards
-the engine-wide figure by `prior_weight` pseudo-steps. While a request drafts nothing its own
+the engine-wide figure by a number of pseudo-steps that follows how much the running requests differ
+(`prior_strength`: strong when they all accept alike, weak when they differ). While a request drafts nothing its own
 evidence fades (`pause_decay` per step), so a request that stopped on a bad streak comes back when
 the engine-wide figure says drafting pays, and one whose draft really fails stays near its probes. Positions never measured are extrapolated
 with the last measured ratio q(i) / q(i - 1).
@@ -193,7 +194,9 @@ class AdaptiveSchedule:
     """Per-request candidate counts that maximize the expected tokens per second of the next step."""
 
     min_steps: int = 8
-    prior_weight: float = 12.0
+    prior_weight: float = 12.0  # until prior_strength() has enough requests to measure it
+    min_requests: int = 4
+    min_evidence: float = 3.0
     request_decay: float = 0.9
     engine_decay: float = 0.98
     pause_decay: float = 0.95  # per step without candidates, a request's own evidence fades toward the prior
@@ -211,6 +214,7 @@ class AdaptiveSchedule:
         self._requests: dict[str, _RequestState] = {}
         self._prior_key: tuple = ()
         self._prior: list[float] = []
+        self._weight = self.prior_weight
         self._num_steps = 0
         self.num_decisions = 0  # (request, step) decisions made
         self.num_drafting = 0  # of them, with at least one candidate
@@ -270,8 +274,32 @@ class AdaptiveSchedule:
         if state.estimate_key != key:  # most steps: nothing new was verified for this request
             if self._prior_key != (cap, self.engine_wide.version):
                 self._prior_key, self._prior = (cap, self.engine_wide.version), self.engine_wide.estimate(cap)
-            state.estimate, state.estimate_key = state.counts.estimate(cap, self._prior, self.prior_weight), key
+                self._weight = self.prior_strength()
+            state.estimate, state.estimate_key = state.counts.estimate(cap, self._prior, self._weight), key
         return state.estimate
+
+    def prior_strength(self) -> float:
+        """How many pseudo-verifications the engine-wide figure counts for in a request's estimate.
+
+        From how much the running requests' own first-position acceptance differs (a beta prior by the
+        method of moments, their binomial noise taken out): requests that all accept alike get a strong
+        prior (one bad streak does not stop a request), requests that differ a lot (a draft that suits
+        some prompts and not others) a weak one (each follows its own evidence). `prior_weight` until
+        `min_requests` requests have `min_evidence` verifications of their own."""
+        rates, noise = [], []
+        for state in self._requests.values():
+            drafted = float(state.counts.drafted[0]) if len(state.counts.drafted) else 0.0
+            if drafted >= self.min_evidence:
+                rate = float(state.counts.accepted[0]) / drafted
+                rates.append(rate)
+                noise.append(drafted)
+        if len(rates) < self.min_requests:
+            return self.prior_weight
+        mean = sum(rates) / len(rates)
+        spread = sum((r - mean) ** 2 for r in rates) / len(rates)
+        spread -= sum(mean * (1 - mean) / n for n in noise) / len(noise)  # what binomial noise alone gives
+        spread = max(spread, 1e-4)
+        return min(max(mean * (1 - mean) / spread - 1, 1.0), 4 * self.prior_weight)
 
     def _best(self, candidates: Sequence[Candidate], num_generating: int, offset: int,
               other_draft_rows: tuple[int, int]) -> dict[str, int]:  # fmt: skip

@@ -141,3 +141,15 @@ def test_positions_a_request_never_drafted_follow_the_prior_ratio():
     q = counts.estimate(4, prior=[0.4, 0.2, 0.2, 0.1], prior_weight=2.0)
     # measured positions: (1 + 2 * 0.4) / 3 and (1 + 2 * 0.2) / 3; then the prior's ratios 1.0 and 0.5
     assert q == pytest.approx([0.6, 1.4 / 3, 1.4 / 3, 0.7 / 3])
+
+
+def test_the_prior_is_weak_when_requests_differ_and_strong_when_they_accept_alike():
+    differ, alike = AdaptiveSchedule(), AdaptiveSchedule()
+    for step in range(40):
+        u = (step * 0.6180339887) % 1.0
+        for index in range(6):
+            differ.observe_verification(f"r{index}", 1, 1 if index % 2 else 0)  # half always, half never
+            alike.observe_verification(f"r{index}", 1, 1 if (u + index / 6) % 1.0 < 0.45 else 0)  # all 0.45
+    assert differ.prior_strength() == 1.0  # each request follows its own evidence
+    assert alike.prior_strength() >= 12.0
+    assert AdaptiveSchedule().prior_strength() == AdaptiveSchedule().prior_weight  # too few requests to tell
