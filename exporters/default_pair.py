@@ -27,8 +27,8 @@ DRAFT_WEIGHT_FORMAT = "fp16"
 CACHE_ENV = "DFLASH_CACHE_DIR"
 _STAMP = "dflash_export_done.json"
 _VERSION = 1  # bump when the target's export recipe changes, so stale caches are rebuilt
-# The draft's export recipe (2: only block rows carry a residual stream); its cache is also rebuilt
-# when the shipped checkpoint changes (a fingerprint of its files is in the stamp).
+# The draft's export recipe (2: only block rows carry a residual stream); a changed checkpoint gets a
+# folder of its own (a fingerprint of its files is in the folder name).
 _DRAFT_VERSION = 2
 
 
@@ -60,16 +60,16 @@ def ensure_default_pair(kind: str = "dflash", *, on_step: Callable[[str], None] 
     target_dir = _ensure(root / f"{TARGET_NAME}-{TARGET_WEIGHT_FORMAT}", lambda out: _export_target(out, step), step)
     source = DRAFTS_DIR / DRAFTS[kind]
     draft_dir = _ensure(
-        root / f"{DRAFTS[kind]}-{DRAFT_WEIGHT_FORMAT}-{_draft_digest(DRAFTS_DIR / DRAFTS[kind])}",
+        root / f"{DRAFTS[kind]}-{DRAFT_WEIGHT_FORMAT}-{_fingerprint(source)}",  # a new draft, a new folder
         lambda out: _export_draft(source, out, step),
         step,
-        version=f"{_DRAFT_VERSION}-{_fingerprint(source)}",
+        version=_DRAFT_VERSION,
     )
     return DefaultPair(target_dir, draft_dir, kind)
 
 
 def _fingerprint(folder: Path) -> str:
-    """A short hash of a checkpoint folder's files (names and contents)."""
+    """A short hash of a checkpoint folder's config and weights (names and contents)."""
     import hashlib
 
     digest = hashlib.sha256()
@@ -78,18 +78,6 @@ def _fingerprint(folder: Path) -> str:
             digest.update(file.name.encode())
             digest.update(file.read_bytes())
     return digest.hexdigest()[:16]
-
-
-def _draft_digest(folder: Path) -> str:
-    """A short digest of the shipped draft's config and weights: a new draft gets a new cache folder."""
-    import hashlib
-
-    digest = hashlib.sha256()
-    for name in ("config.json", "model.safetensors"):
-        path = folder / name
-        if path.is_file():
-            digest.update(path.read_bytes())
-    return digest.hexdigest()[:10]
 
 
 def _ensure(folder: Path, export: Callable[[Path], None], step: Callable[[str], None], version: int | str = _VERSION) -> Path:
