@@ -240,7 +240,9 @@ def _train(loaded, data: list[Path], output_dir: Path, options, index, output: O
         output.info(f"dedup: {stats.exact_duplicates} exact and {stats.near_duplicates} near-duplicate answers dropped, "
                     f"{stats.kept} kept")
     if not examples:
-        raise InputError("no training sequences are left after decontamination and dedup", hint="use more data")
+        from dflash.core.errors import InputError
+
+        raise InputError("no training sequences are left after decontamination and dedup", "use more data")
     train_set, eval_set = split_by_prompt(examples, eval_sequences, seed=options.seed)
     train_groups = {e.prompt_key for e in train_set}
     assert not any(e.prompt_key in train_groups for e in eval_set), "hold-out by prompt leaked"

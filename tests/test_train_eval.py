@@ -16,8 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import typer
-from typer.testing import CliRunner
 
 from dflash.exporters.tiny import make_tiny_target
 from dflash.training.data import Example, generate_dataset, read_dataset, write_dataset

@@ -40,7 +40,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from dflash.core.errors import InputError
 from dflash.exporters.draft_config import parse_draft_config
