@@ -264,17 +264,6 @@ _STDLIB_FRAMES = (
 )
 
 
-def stdlib_prompts(limit: int | None = None, *, seed: int = 0) -> list[str]:
-    """Function stubs (signature + docstring, no body) from the running Python's standard library.
-
-    Real, varied, permissively licensed code in the shape users ask drafts to speed up ("complete
-    this function"), available offline wherever Python is; no benchmark set is involved.
-    """
-    import sysconfig
-
-    return library_prompts([sysconfig.get_paths()["stdlib"]], limit, seed=seed, skip=("site-packages", "dist-packages"))
-
-
 def library_prompts(
     roots, limit: int | None = None, *, seed: int = 0, max_files: int | None = None, skip: tuple[str, ...] = ()
 ) -> list[str]:
