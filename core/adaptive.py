@@ -19,10 +19,11 @@ up in one packed pass when it drafts again, a cost charged to its first candidat
 q_r(i) is per request, so one request whose draft fails does not stop the others: decayed counts of
 its own verifications (recent steps weigh more: acceptance changes along a response), shrunk towards
 the engine-wide figure by a number of pseudo-steps that follows how much the running requests differ
-(`prior_strength`: strong when they all accept alike, weak when they differ). While a request drafts nothing its own
-evidence fades (`pause_decay` per step), so a request that stopped on a bad streak comes back when
-the engine-wide figure says drafting pays, and one whose draft really fails stays near its probes. Positions never measured are extrapolated
-with the last measured ratio q(i) / q(i - 1).
+(`prior_strength`: strong when they all accept alike, weak when they differ). While a request drafts
+nothing its own evidence fades (`pause_decay` per step), so a request that stopped on a bad streak
+comes back when the engine-wide figure says drafting pays, and one whose draft really fails stays
+near its probes. A position the request never drafted continues from its last estimate with the
+engine-wide ratio q(i) / q(i - 1).
 
 A request that stopped drafting is probed again: after `probe_after` steps without candidates it
 drafts `probe_candidates` candidates once, and each probe that does not bring drafting back doubles
