@@ -12,7 +12,8 @@ over generation steps of the target; D = fixed + per row + per candidate row, ov
 steps (a candidate row also runs the vocabulary-wide lm_head, most of a small draft's cost). The
 draft's fixed cost (one more inference per step) is paid once, by the whole step, as soon as one
 request drafts, so the choice is made jointly: every (request, position) slot is sorted by q, and the
-prefix of slots with the highest tokens / seconds is drafted, which may be none (zero candidates:
+prefix of slots with the highest tokens / seconds is drafted if it beats not drafting by `min_gain`
+(5%: the fits and estimates are noisy), which may be none (zero candidates:
 the draft does not run this step at all; committed rows wait in the request's ledger and are caught
 up in one packed pass when it drafts again, a cost charged to its first candidate).
 
@@ -206,6 +207,7 @@ class AdaptiveSchedule:
     # A probe verifies few rows: at concurrency 8 the probes of all paused requests fall on one step,
     # and 4 candidates each made that step cost two (measured: chat prompts, c=8, 0.87x with 4).
     probe_candidates: int = 2
+    min_gain: float = 0.05
     target_cost: LinearCost = field(default_factory=LinearCost)  # seconds over rows
     draft_cost: LinearCost = field(default_factory=lambda: LinearCost(num_counts=2))  # over (rows, candidate rows)
 
@@ -315,7 +317,9 @@ class AdaptiveSchedule:
         cheapest = t_row + d_row + d_candidate
         draft_rows, draft_candidates = other_draft_rows
         draft_seconds = d_fixed + d_row * draft_rows + d_candidate * draft_candidates if draft_rows else 0.0
-        best_rate = num_generating / (t_fixed + t_row * num_generating + draft_seconds)
+        # Drafting must promise `min_gain` more tokens per second than not drafting: the fits and the
+        # estimates are noisy, and a wrong "draft" costs more than a wrong "wait" (probes correct that).
+        best_rate = num_generating / (t_fixed + t_row * num_generating + draft_seconds) * (1 + self.min_gain)
         best_len, tokens, rows, drafting = 0, float(num_generating), num_generating, set()
         for length, (q, c) in enumerate(slots, start=1):
             if q <= 0 or (cheapest > 0 and q / cheapest <= best_rate):
