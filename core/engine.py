@@ -291,6 +291,6 @@ class LLMEngine:
     def _forget(self, req_id: str) -> None:
         """Abort a request of our own (if it still runs) and drop it, with no output for anyone."""
         with self._lock:
-            if self.abort_request(req_id):
-                self._pending = [o for o in self._pending if o.req_id != req_id]
+            if self.scheduler.abort_request(req_id):
+                self._finish(self._tracked[req_id])  # blocks back; its output goes nowhere
             self._tracked.pop(req_id, None)

@@ -21,8 +21,7 @@ from dflash.exporters.draft_checkpoint import load_draft_weights, make_tiny_draf
 from dflash.exporters.draft_config import load_draft_config
 from dflash.exporters.draft_model import load_draft_model
 from dflash.exporters.markov_head import MARKOV_HEAD_FILE
-from dflash.exporters.target import export_target
-from dflash.exporters.tiny import CHAT_TEMPLATE, EOS_TOKEN, make_tiny_target
+from dflash.exporters.tiny import CHAT_TEMPLATE, EOS_TOKEN
 from dflash.exporters.validate import validate_draft
 from dflash.training.checkpoint import TRAINING_INFO_FILE
 from dflash.training.data import Example, generate_dataset, read_dataset, write_dataset
@@ -57,8 +56,8 @@ def root(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def target_src(root) -> Path:
-    return make_tiny_target(root / "target_src")
+def target_src(tiny_target_src) -> Path:
+    return tiny_target_src  # conftest.py: shared with other modules, read only
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +66,8 @@ def target(target_src):
 
 
 @pytest.fixture(scope="module")
-def target_ov(root, target_src) -> Path:
-    return export_target(target_src, root / "target_ov", weight_format="fp16")
+def target_ov(tiny_target_fp16) -> Path:
+    return tiny_target_fp16
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash.exporters.tiny import make_tiny_target
 from dflash.training.data import Example, generate_dataset, read_dataset, write_dataset
 from dflash.training.decontam import Benchmark, NgramIndex, decontaminate, load_benchmarks
 from dflash.training.dedup import dedupe, split_by_prompt
@@ -35,8 +34,8 @@ def root(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def target_src(root) -> Path:
-    return make_tiny_target(root / "target_src")
+def target_src(tiny_target_src) -> Path:
+    return tiny_target_src  # conftest.py: shared with other modules, read only
 
 
 @pytest.fixture(scope="module")
@@ -169,18 +168,17 @@ def test_replay_counts_like_the_engine():
     assert steps == 2 and drafted == [2, 2, 1] and accepted == [2, 2, 0]
 
 
-def test_eval_draft_agrees_with_the_engine_under_f32(root, target_src, target, examples):
+def test_eval_draft_agrees_with_the_engine_under_f32(root, target_src, target, examples, tiny_target_fp16):
     """`evaluate_draft` (PyTorch) and the engine's counters on the same prompts: tau and every position."""
     from dflash.core.config import EXACT_OV_CONFIG, SamplingParams
     from dflash.core.engine import EngineConfig, LLMEngine
     from dflash.core.metrics import SpecDecodingStats
     from dflash.core.tokenization import tokenize_prompt
     from dflash.exporters.draft import export_draft
-    from dflash.exporters.target import export_target
 
     options = _options(steps=40, loss="ce", save_dtype="float16")  # fp16 weights: the export holds the same values
     train_draft(target, examples, root / "eval_ckpt", options)
-    target_ov = export_target(target_src, root / "eval_target_ov", weight_format="fp16")
+    target_ov = tiny_target_fp16
     draft_ov = export_draft(root / "eval_ckpt", root / "eval_draft_ov", weight_format="fp16", target_hidden_size=64)
 
     prompts = builtin_prompts(12)[8:12]  # prompts the draft never trained on
