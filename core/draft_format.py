@@ -39,6 +39,17 @@ class DraftMetadata:
         return self.block_size - self.candidate_position_offset
 
 
+def read_rt_info(model, *path: str) -> str | None:
+    """An rt_info value of an `ov.Model` as a string (keys nest: "dflash", "mask_token_id"); None if absent."""
+    key = list(path)
+    return str(model.get_rt_info(key).astype(str)) if model.has_rt_info(key) else None
+
+
+def write_rt_info(model, value: str, *path: str) -> None:
+    """Set an rt_info value (the contract stores every value as a string)."""
+    model.set_rt_info(str(value), list(path))
+
+
 def read_draft_metadata(model, *, require_per_row: bool = True) -> DraftMetadata:
     """Parse the DFlash rt_info of an `ov.Model` (read_model of `openvino_model.xml`).
 
@@ -46,8 +57,7 @@ def read_draft_metadata(model, *, require_per_row: bool = True) -> DraftMetadata
     `require_per_row`, was exported for the old stateful runner (no `token_type_ids` input).
     """
     def get(*path: str) -> str | None:
-        key = list(path)
-        return model.get_rt_info(key).astype(str) if model.has_rt_info(key) else None
+        return read_rt_info(model, *path)
 
     if get("dflash_mode") != "True":
         raise ModelFormatError(

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import openvino as ov
 
-from dflash.core.draft_format import MARKOV_HEAD_FILE, markov_head_part, read_draft_metadata
+from dflash.core.draft_format import MARKOV_HEAD_FILE, markov_head_part, read_draft_metadata, read_rt_info
 from dflash.core.draft_format import SUPPORTED_MARKOV_HEAD_TYPES as SUPPORTED_HEAD_TYPES
 
 from .config import compile_properties
@@ -47,7 +47,7 @@ class MarkovHeadRunner:
 
     def __init__(self, head: ov.Model | str | Path, *, device: str = "CPU", ov_config: dict[str, str] | None = None):
         model = head if isinstance(head, ov.Model) else _read_head(Path(head))
-        head_type = _rt_info(model, "markov_head", "type") or "vanilla"
+        head_type = read_rt_info(model, "markov_head", "type") or "vanilla"
         if head_type not in SUPPORTED_HEAD_TYPES:
             raise ModelFormatError(
                 f"the Markov head is of type {head_type!r}; only the vanilla head is supported",
@@ -58,8 +58,8 @@ class MarkovHeadRunner:
         self._dense = core.compile_model(markov_head_part(model, "dense"), device, config).create_infer_request()
         self._topk = core.compile_model(markov_head_part(model, "topk"), device, config).create_infer_request()
         self.vocab_size = _shape_or_rt_info(model, "markov_bias", -1, "vocab_size")
-        self.rank = int(_rt_info(model, "markov_head", "rank") or 0)
-        default_k = _rt_info(model, "markov_head", "top_k")
+        self.rank = int(read_rt_info(model, "markov_head", "rank") or 0)
+        default_k = read_rt_info(model, "markov_head", "top_k")
         self.default_top_k = int(default_k) if default_k is not None else min(8, self.vocab_size)
         self.seconds = 0.0
         self.num_calls = 0
@@ -252,17 +252,12 @@ def _head_config(device: str, ov_config: dict[str, str] | None) -> dict[str, str
     return config
 
 
-def _rt_info(model: ov.Model, *path: str) -> str | None:
-    key = list(path)
-    return model.get_rt_info(key).astype(str) if model.has_rt_info(key) else None
-
-
 def _shape_or_rt_info(model: ov.Model, output: str, axis: int, key: str) -> int:
     """A static output dimension (the head's V), else the rt_info value that records it."""
     dim = model.output(output).get_partial_shape()[axis]
     if dim.is_static:
         return dim.get_length()
-    value = _rt_info(model, "markov_head", key)
+    value = read_rt_info(model, "markov_head", key)
     if value is None:
         raise ModelFormatError(f"the Markov head does not say its {key}", _REEXPORT_HINT)
     return int(value)

@@ -16,7 +16,7 @@ from typing import Callable
 import openvino as ov
 import torch
 
-from dflash.core.draft_format import DRAFT_MODEL_FILE, MARKOV_HEAD_FILE, DraftMetadata, read_draft_metadata  # noqa: F401
+from dflash.core.draft_format import DRAFT_MODEL_FILE, MARKOV_HEAD_FILE, DraftMetadata, read_draft_metadata, write_rt_info  # noqa: F401
 from dflash.core.errors import ExportError, InputError, ModelFormatError
 from dflash.exporters.draft_checkpoint import load_draft_weights
 from dflash.exporters.draft_config import DraftConfig, load_draft_config
@@ -202,7 +202,7 @@ def make_draft_stateful(ov_model, kv_inputs: list[str], kv_outputs: list[str]) -
 
 def add_draft_rt_info(ov_model, config: DraftConfig) -> None:
     """Write the contract's rt_info (all values strings) onto the backbone."""
-    ov_model.set_rt_info("True", ["dflash_mode"])
+    write_rt_info(ov_model, "True", "dflash_mode")
     entries = {
         "mask_token_id": str(config.mask_token_id),
         "target_layer_ids": ",".join(map(str, config.target_layer_ids)),
@@ -213,7 +213,7 @@ def add_draft_rt_info(ov_model, config: DraftConfig) -> None:
     if config.markov_rank > 0:
         entries["markov_head_type"] = config.markov_head_type
     for key, value in entries.items():
-        ov_model.set_rt_info(value, ["dflash", key])
+        write_rt_info(ov_model, value, "dflash", key)
 
 
 def compress_draft_weights(ov_model, config: DraftConfig, weight_format: str, step: Callable[[str], None]):

@@ -23,6 +23,7 @@ from dflash.core.draft_format import (  # noqa: F401 - re-exported: the head's c
     TOPK_INPUTS,
     TOPK_OUTPUT,
     markov_head_part,
+    write_rt_info,
 )
 from dflash.exporters.tracing import name_ports, trace_and_convert
 
@@ -82,10 +83,10 @@ def convert_markov_head(head: MarkovHead, top_k: int = DEFAULT_TOP_K):
 
     model = trace_and_convert(head, example, inputs)
     name_ports(model, [*DENSE_INPUTS, *TOPK_INPUTS], [DENSE_OUTPUT, TOPK_OUTPUT])
-    model.set_rt_info("vanilla", ["markov_head", "type"])
-    model.set_rt_info(str(head.rank), ["markov_head", "rank"])
-    model.set_rt_info(str(head.vocab_size), ["markov_head", "vocab_size"])
-    model.set_rt_info(str(min(top_k, head.vocab_size)), ["markov_head", "top_k"])
+    write_rt_info(model, "vanilla", "markov_head", "type")
+    write_rt_info(model, head.rank, "markov_head", "rank")
+    write_rt_info(model, head.vocab_size, "markov_head", "vocab_size")
+    write_rt_info(model, min(top_k, head.vocab_size), "markov_head", "top_k")
     return model
 
 

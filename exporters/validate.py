@@ -32,8 +32,10 @@ from dflash.core.draft_format import (
     SUPPORTED_MARKOV_HEAD_TYPES,
     TOPK_INPUTS,
     TOPK_OUTPUT,
+    read_rt_info,
 )
 from dflash.core.errors import DflashError, InputError
+from dflash.core.hidden_states import RT_INFO_KEY as HIDDEN_STATES_RT_INFO_KEY
 from dflash.exporters.staging import check_complete
 
 TARGET_MODEL_FILE = "openvino_model.xml"
@@ -122,11 +124,8 @@ class _Draft:
     config: dict[str, Any] = field(default_factory=dict)  # the draft's config.json, {} when absent
 
     def rt(self, *path: str) -> str | None:
-        """An rt_info value as a string, None when absent (keys nest: "dflash/mask_token_id")."""
-        key = list(path)
-        if not self.model.has_rt_info(key):
-            return None
-        return str(self.model.get_rt_info(key).astype(str))
+        """An rt_info value as a string, None when absent (keys nest: "dflash", "mask_token_id")."""
+        return read_rt_info(self.model, *path)
 
     def port_names(self, ports) -> set[str]:
         return {name for port in ports for name in port.get_names()}
@@ -218,9 +217,9 @@ def _read_target_ir(xml: Path, target: _Target) -> None:
             # The engine grafts this lm_head onto the draft, so its width is the vocabulary that counts.
             target.vocab_size = shape[-1].get_length()
             target.vocab_source = "the target's logits"
-    if model.has_rt_info(["hidden_states_decoder_layers"]):
+    text = read_rt_info(model, HIDDEN_STATES_RT_INFO_KEY)
+    if text is not None:
         try:
-            text = str(model.get_rt_info(["hidden_states_decoder_layers"]).astype(str))
             target.layers = sorted(int(key) for key in json.loads(text)["layers"])
             target.layers_source = "the target's hidden_states_decoder_layers annotation"
         except (ValueError, KeyError, TypeError):
@@ -477,8 +476,7 @@ def _markov_head_problems(head_file: Path, rank: int, target: _Target | None) ->
         return [f"{MARKOV_HEAD_FILE} does not read: {_error_line(exc)}"]
 
     def rt(key: str) -> str | None:
-        path = ["markov_head", key]
-        return str(head.get_rt_info(path).astype(str)) if head.has_rt_info(path) else None
+        return read_rt_info(head, "markov_head", key)
 
     problems = []
     inputs = {n for port in head.inputs for n in port.get_names()}
