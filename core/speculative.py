@@ -139,8 +139,6 @@ class DFlashDrafter:
         candidates: Candidates = {}
         if windows:
             candidates = self._run(windows)
-        elif any(self._may_draft(r) for r in requests):
-            self.stats.num_idle_steps += 1
         seconds = time.perf_counter() - start
         self.seconds += seconds
         if target_step.is_generation:
@@ -233,7 +231,10 @@ class DFlashDrafter:
         # never costs the draft anything); past MAX_PENDING_BYTES a request reads them anyway.
         windows = [self._window(r, blocks.get(r.req_id, 0)) for r in requests
                    if blocks.get(r.req_id) or self._pending_is_full(r)]  # fmt: skip
-        return [w for w in windows if w is not None]
+        windows = [w for w in windows if w is not None]
+        if blocks and not windows:  # requests that could have drafted, and no draft inference
+            self.stats.num_idle_steps += 1
+        return windows
 
     def _pending_is_full(self, request: Request) -> bool:
         state = self._states.get(request.req_id)

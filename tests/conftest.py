@@ -37,3 +37,13 @@ def tiny_target_src(tmp_path_factory) -> Path:
 def tiny_target_fp16(tiny_target_src) -> Path:
     """`tiny_target_src` exported with fp16 weights."""
     return export_target(tiny_target_src, tiny_target_src.parent / "target_fp16", weight_format="fp16")
+
+
+@pytest.fixture(scope="session")
+def tiny_target_torch(tiny_target_src):
+    """`tiny_target_src` loaded in PyTorch on the CPU for training (dflash.training.target)."""
+    import torch
+
+    from dflash.training.target import load_target
+
+    return load_target(tiny_target_src, torch.device("cpu"))

@@ -31,7 +31,6 @@ from dflash.training.target import (
     check_target_layer_ids,
     choose_mask_token_id,
     default_target_layer_ids,
-    load_target,
 )
 from dflash.training.trainer import (
     Batch,
@@ -61,8 +60,8 @@ def target_src(tiny_target_src) -> Path:
 
 
 @pytest.fixture(scope="module")
-def target(target_src):
-    return load_target(target_src, CPU)
+def target(tiny_target_torch):
+    return tiny_target_torch  # conftest.py: shared, read only
 
 
 @pytest.fixture(scope="module")

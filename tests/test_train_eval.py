@@ -39,8 +39,8 @@ def target_src(tiny_target_src) -> Path:
 
 
 @pytest.fixture(scope="module")
-def target(target_src):
-    return load_target(target_src, CPU)
+def target(tiny_target_torch):
+    return tiny_target_torch  # conftest.py: shared, read only
 
 
 @pytest.fixture(scope="module")
