@@ -10,7 +10,8 @@
 #   bash training/device_run.sh resume   # call 3, 4, ...: the same drafts, `dflash train --resume`, until the deadline
 #
 # Knobs (environment): DRAFTS (name:kind:layers:target_layers:block, space separated), CALL_S (seconds this call may
-# take, 555), GEN_S (generation seconds, 170), GEN_PROCS (4), GEN_BATCH (768), MAX_NEW (256), TEXT_TOKENS (real
+# take, 555), GEN_S (generation seconds, 170), GEN_PROCS (4), GEN_BATCH (768), MAX_NEW (256), STUB_LIMIT (function
+# stubs to answer, 40000), STUB_FILES (files they come from, 4000), TEXT_TOKENS (real
 # text/code tokens, 6000000), TOTAL_TRAIN_S (the schedule's length in training seconds, summed over calls, 680),
 # MARKOV_RANK (32), BATCH (16), ANCHORS (64); for a dry run elsewhere: PY (python3), DEVICE (cuda), PYROOT (where
 # the Python sources for text and stubs live).
@@ -48,8 +49,13 @@ setup_python() {
   # gguf is the one package the image lacks (transformers' GGUF loader needs it); dflash is used from the
   # checkout through a namespace folder, with no install: torch, transformers, typer, rich are there.
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$REPO"/.whl/*.whl
-  mkdir -p "$NS/dflash" "$DEV/pkgs"
-  for part in cli core exporters training; do ln -sfn "$REPO/$part" "$NS/dflash/$part"; done
+  # The code is snapshotted by the call that makes the data (`run`): `resume` calls train with the same
+  # code even when the working tree that travels with them has changed since.
+  mkdir -p "$NS/dflash" "$DEV/pkgs" "$DEV/code"
+  for part in cli core exporters training; do
+    if [ "$MODE" != resume ] || [ ! -d "$DEV/code/$part" ]; then rm -rf "$DEV/code/$part" && cp -r "$REPO/$part" "$DEV/code/$part"; fi
+    ln -sfn "$DEV/code/$part" "$NS/dflash/$part"
+  done
   export PYTHONPATH=$NS:$SITE:$DEV/pkgs
   "$PY" -c "import torch, transformers, gguf; print('torch', torch.__version__, '| transformers', transformers.__version__, '| cuda', torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')"
 }
@@ -126,7 +132,7 @@ from dflash.training.prompts import builtin_prompts, library_prompts
 dev, count = sys.argv[1], int(sys.argv[2])
 paths = sysconfig.get_paths()
 root = os.environ.get("PYROOT") or " ".join(sorted({paths["stdlib"], paths["purelib"]}))
-stubs = library_prompts(root.split(), limit=40000, seed=0, max_files=int(os.environ.get("STUB_FILES", "4000")))
+stubs = library_prompts(root.split(), limit=int(os.environ.get("STUB_LIMIT", "40000")), seed=0, max_files=int(os.environ.get("STUB_FILES", "4000")))
 chat = builtin_prompts()
 prompts = chat + stubs
 random.Random(0).shuffle(prompts)
