@@ -13,8 +13,9 @@ One sweep:
                                     same concurrency (losslessness); speedup = the median over rounds
                                     of (baseline wall time / setting wall time) in the same round
 
-Every request is greedy with ignore_eos, so each generates exactly max_new_tokens (a stop can only
-come from the model's length limit) and every setting does the same work. Concurrency c keeps at most
+Every request ignores EOS, so each generates exactly max_new_tokens (a stop can only come from the
+model's length limit) and every setting does the same work. Requests are greedy unless
+`options.sampling` sets a temperature; sampled outputs are not compared with the baseline's. Concurrency c keeps at most
 c requests in the engine: a new one is added as soon as one finishes.
 
 With f32 inference (INFERENCE_PRECISION_HINT=f32; the engine then also turns off dynamic quantization of
@@ -66,6 +67,8 @@ class BenchOptions:
     rounds: int = 1  # every setting runs once per round, interleaved with its baseline
     baseline: bool = True
     dataset: str | None = None  # where the prompts came from, for the report
+    # temperature, top_p, top_k and seed of every request (the default: greedy); the other fields are the sweep's
+    sampling: SamplingParams = SamplingParams()
 
 
 class BenchProgress:
@@ -171,7 +174,8 @@ def _sweep(options: BenchOptions, config, report: BenchReport, progress: BenchPr
                 runs.setdefault(setting, []).append(_run_setting(engine, token_prompts, options, setting, progress))
                 if baseline is not None and setting.kind == "speculative":
                     ratios.setdefault(setting, []).append(runs[baseline][-1].wall_s / runs[setting][-1].wall_s)
-                _publish(report, runs, ratios, setting, baseline, progress, last=round_index == options.rounds - 1)
+                _publish(report, runs, ratios, setting, baseline, progress, last=round_index == options.rounds - 1,
+                         greedy=options.sampling.is_greedy)  # fmt: skip
     for engine in engines.values():
         for warning in engine.warnings:
             progress.warning(warning)
@@ -191,10 +195,11 @@ def _load_engines(options: BenchOptions, config, progress: BenchProgress) -> dic
     return engines
 
 
-def _publish(report: BenchReport, runs, ratios, setting: _Setting, baseline: _Setting | None, progress, *, last: bool) -> None:
+def _publish(report: BenchReport, runs, ratios, setting: _Setting, baseline: _Setting | None, progress, *, last: bool,
+             greedy: bool = True) -> None:  # fmt: skip
     """Put the setting's summary over its runs so far into the report (in place of an earlier one)."""
     result = _summarize(setting, runs[setting], ratios.get(setting, []))
-    if baseline is not None and setting.kind == "speculative":
+    if baseline is not None and setting.kind == "speculative" and greedy:  # samples differ from the baseline's by design
         result.agreement = compare_outputs([r.token_ids for r in runs[baseline][0].results], result.token_ids, report.prompts)
     names = [s.name for s in report.settings]
     if result.name in names:
@@ -218,14 +223,14 @@ def _warm_up(engine, token_prompts: list[list[int]], options: BenchOptions, prog
         return
     progress.stage(f"Warming up ({options.warmup} requests)")
     prompts = [token_prompts[i % len(token_prompts)] for i in range(options.warmup)]
-    engine.generate(prompts, SamplingParams(max_new_tokens=options.max_new_tokens, ignore_eos=True))
+    engine.generate(prompts, replace(options.sampling, max_new_tokens=options.max_new_tokens, ignore_eos=True))
 
 
 def _run_setting(engine, token_prompts: list[list[int]], options: BenchOptions, setting: _Setting,
                  progress: BenchProgress) -> _SettingRun:  # fmt: skip
     """Every prompt through the engine with at most `concurrency` requests in it at once."""
-    params = SamplingParams(max_new_tokens=options.max_new_tokens, ignore_eos=True, num_assistant_tokens=setting.num_assistant_tokens,
-                            num_assistant_tokens_schedule=setting.schedule or "adaptive")  # fmt: skip
+    params = replace(options.sampling, max_new_tokens=options.max_new_tokens, ignore_eos=True,
+                     num_assistant_tokens=setting.num_assistant_tokens, num_assistant_tokens_schedule=setting.schedule or "adaptive")
     progress.setting_started(setting.name, len(token_prompts))
     times_before, stats_before = copy.copy(engine.times), copy.copy(engine.drafter.stats)
     run = run_with_concurrency(engine, token_prompts, params, setting.concurrency, progress.request_finished)
@@ -374,7 +379,8 @@ def options_json(options: BenchOptions, config) -> dict:
         "chat": options.chat,
         "warmup": options.warmup,
         "baseline": options.baseline,
-        "greedy": True,
+        "greedy": options.sampling.is_greedy,
+        "sampling": {name: getattr(options.sampling, name) for name in ("temperature", "top_p", "top_k", "seed")},
         "ignore_eos": True,
         "engine_config": {k: v for k, v in asdict(config).items() if k != "markov_head_top_k"},
     }

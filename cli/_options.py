@@ -73,6 +73,28 @@ OvConfigOpt = Annotated[
 ]
 
 
+# ---- sampling (generate, bench): the fields of core.config.SamplingParams -------------------------------
+
+TemperatureOpt = Annotated[
+    float,
+    typer.Option("--temperature", min=0.0, help="0: greedy; above 0: sample at this temperature (with a draft: speculative sampling)."),
+]
+TopPOpt = Annotated[
+    float, typer.Option("--top-p", min=0.01, max=1.0, help="Sample from the smallest set of tokens holding this probability mass.")
+]
+TopKOpt = Annotated[int, typer.Option("--top-k", min=0, help="Sample among the K most likely tokens (0: all).")]
+SeedOpt = Annotated[
+    Optional[int], typer.Option("--seed", help="Seed of sampling, for repeatable samples (default: a fresh seed).", show_default=False)
+]
+
+
+def sampling_params(*, temperature: float, top_p: float, top_k: int, seed: int | None, **fields):
+    """The SamplingParams of the sampling options, with any other fields (max_new_tokens, ...)."""
+    from dflash.core.config import SamplingParams
+
+    return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, **fields)
+
+
 def parse_ov_config(items: list[str] | None) -> dict[str, str]:
     """KEY=VALUE strings to a properties dict; a malformed item is a usage error (exit 2)."""
     config = {}

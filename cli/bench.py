@@ -10,7 +10,19 @@ import typer
 from rich.markup import escape
 
 from ._errors import EXIT_INTERRUPTED, handled_errors
-from ._options import AssistantSchedule, DebugOpt, DraftKind, OvConfigOpt, QuietOpt, parse_ov_config
+from ._options import (
+    AssistantSchedule,
+    DebugOpt,
+    DraftKind,
+    OvConfigOpt,
+    QuietOpt,
+    SeedOpt,
+    TemperatureOpt,
+    TopKOpt,
+    TopPOpt,
+    parse_ov_config,
+    sampling_params,
+)
 from ._output import Output
 from ._preflight import check_writable
 
@@ -63,6 +75,10 @@ def bench(
     chat: Annotated[
         Optional[bool], typer.Option("--chat/--no-chat", help="Apply the chat template (default: when the tokenizer has one).", show_default=False)
     ] = None,
+    temperature: TemperatureOpt = 0.0,
+    top_p: TopPOpt = 1.0,
+    top_k: TopKOpt = 0,
+    seed: SeedOpt = None,
     warmup: Annotated[int, typer.Option("--warmup", min=0, help="Warm-up requests per engine, excluded from the figures.")] = 2,
     rounds: Annotated[int, typer.Option("--rounds", min=1, help="Runs of every setting, each right after its baseline; the speedup is the median of the per-round ratios, with their range.")] = 1,
     kv_cache_size: Annotated[Optional[float], typer.Option("--kv-cache-size", min=0.001, help="KV cache size in GiB [default: 0.25].", show_default=False)] = None,
@@ -119,6 +135,7 @@ def bench(
             max_new_tokens=max_new_tokens, concurrencies=concurrencies, num_assistant_tokens=assistant_tokens,
             schedules=schedules,
             markov_top_ks=top_ks, chat=chat, warmup=warmup, rounds=rounds, baseline=not no_baseline, dataset=dataset,
+            sampling=sampling_params(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed),
         )  # fmt: skip
         with _LiveProgress(output, json_file) as progress:
             report = run_bench(options, progress)

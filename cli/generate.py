@@ -10,7 +10,20 @@ import typer
 from rich.markup import escape
 
 from ._errors import handled_errors
-from ._options import AssistantSchedule, DebugOpt, DraftKind, JsonOpt, OvConfigOpt, QuietOpt, parse_ov_config
+from ._options import (
+    AssistantSchedule,
+    DebugOpt,
+    DraftKind,
+    JsonOpt,
+    OvConfigOpt,
+    QuietOpt,
+    SeedOpt,
+    TemperatureOpt,
+    TopKOpt,
+    TopPOpt,
+    parse_ov_config,
+    sampling_params,
+)
 from ._output import Output
 
 EXAMPLES = """\
@@ -74,11 +87,11 @@ def generate(
     max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", min=1, help="Requests running at once at most.")] = 64,
     prefix_caching: Annotated[bool, typer.Option("--prefix-caching/--no-prefix-caching", help="Reuse the KV of shared prompt prefixes.")] = True,
     dynamic_split_fuse: Annotated[bool, typer.Option("--dynamic-split-fuse/--no-dynamic-split-fuse", help="Mix prompt chunks and generation in one step.")] = True,
-    seed: Annotated[Optional[int], typer.Option("--seed", help="Seed of sampling (with --temperature > 0).", show_default=False)] = None,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Do not stop at the end-of-sequence token.")] = False,
-    temperature: Annotated[float, typer.Option("--temperature", min=0.0, help="0 = greedy.")] = 0.0,
-    top_p: Annotated[float, typer.Option("--top-p", min=0.0, max=1.0, help="Nucleus sampling mass.")] = 1.0,
-    top_k: Annotated[int, typer.Option("--top-k", min=0, help="Sample among the K most likely tokens (0 = all).")] = 0,
+    temperature: TemperatureOpt = 0.0,
+    top_p: TopPOpt = 1.0,
+    top_k: TopKOpt = 0,
+    seed: SeedOpt = None,
     device: Annotated[str, typer.Option("--device", help="OpenVINO device.")] = "CPU",
     ov_config: OvConfigOpt = None,
     json_output: JsonOpt = False,
@@ -92,7 +105,6 @@ def generate(
     output = Output(json_mode=json_output, quiet=quiet)
     run = _Run(output)
     with handled_errors(output, debug=debug):
-        from dflash.core.config import SamplingParams
         from dflash.core.engine import EngineConfig, LLMEngine
         from dflash.core.errors import InputError
         from dflash.core.prompts import read_prompts_file
@@ -103,9 +115,9 @@ def generate(
         if not all_prompts:
             raise InputError("no prompts given", "pass PROMPT arguments or --prompts-file FILE")
         _check_prompt_lengths(all_prompts, target_dir)
-        params = SamplingParams(
-            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-            seed=seed, ignore_eos=ignore_eos, num_assistant_tokens=num_assistant_tokens,
+        params = sampling_params(
+            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_new_tokens=max_new_tokens,
+            ignore_eos=ignore_eos, num_assistant_tokens=num_assistant_tokens,
             num_assistant_tokens_schedule=num_assistant_tokens_schedule.value,
         )  # fmt: skip
         config = EngineConfig(
