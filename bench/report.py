@@ -52,6 +52,7 @@ class SettingResult:
     times: dict  # StepTimes deltas over the run
     target_share: float | None  # of the step time
     draft_share: float | None
+    host_share: float | None  # of the step time, outside the target's and the draft's infer() calls
     drafting_share: float | None  # speculative only: of the (request, step) decisions, the share that drafted
     agreement: Agreement | None  # against the baseline (speculative only, with a baseline)
     rounds: int = 1  # runs of every prompt; figures are over all of them

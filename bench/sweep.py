@@ -237,7 +237,7 @@ def _run_setting(engine, token_prompts: list[list[int]], options: BenchOptions, 
     wall_s = time.perf_counter() - run.started
     stats = engine.drafter.stats
     decisions = (stats.num_decisions - stats_before.num_decisions, stats.num_drafting - stats_before.num_drafting)
-    return _SettingRun(run.results, wall_s, _times_delta(times_before, engine.times), decisions)
+    return _SettingRun(run.results, wall_s, engine.times - times_before, decisions)
 
 
 def _summarize(setting: _Setting, runs: list[_SettingRun], ratios: list[float]) -> SettingResult:
@@ -246,7 +246,7 @@ def _summarize(setting: _Setting, runs: list[_SettingRun], ratios: list[float]) 
     results = [r for run in runs for r in run.results]
     times = StepTimes()
     for run in runs:
-        times = _times_sum(times, run.times)
+        times = times + run.times
     speculative = setting.kind == "speculative"
     spec = None
     if speculative:
@@ -276,6 +276,7 @@ def _summarize(setting: _Setting, runs: list[_SettingRun], ratios: list[float]) 
         times=times.to_json(),
         target_share=_ratio(times.target_s, times.step_s),
         draft_share=_ratio(times.draft_s, times.step_s) if speculative else None,
+        host_share=times.host_share,
         drafting_share=sum(run.decisions[1] for run in runs) / decisions if speculative and decisions else None,
         agreement=None,
         rounds=len(runs),
@@ -318,19 +319,6 @@ def run_with_concurrency(engine, prompts: Sequence[Prompt], params, concurrency:
                 engine.result(req_id)  # forget it
         raise
     return _Run(results, started)
-
-
-def _times_sum(a: StepTimes, b: StepTimes) -> StepTimes:
-    return StepTimes(a.target_s + b.target_s, a.draft_s + b.draft_s, a.step_s + b.step_s, a.num_steps + b.num_steps)
-
-
-def _times_delta(before: StepTimes, after: StepTimes) -> StepTimes:
-    return StepTimes(
-        target_s=after.target_s - before.target_s,
-        draft_s=after.draft_s - before.draft_s,
-        step_s=after.step_s - before.step_s,
-        num_steps=after.num_steps - before.num_steps,
-    )
 
 
 def _percentiles(values: list[float | None]) -> dict[str, float | None]:

@@ -6,9 +6,8 @@ concurrency, the same number of KV blocks, prefix caching off, the same OpenVINO
 the same inference and KV cache precision defaults). In each measured round the two engines take
 turns wave by wave; warm-up runs are not measured. The table gives generated tokens per second
 (median over rounds), the ratio ours/peer by wall time and by process CPU time (the median of the
-per-round ratios), and the share of our engine's step time spent outside OpenVINO inference
-(Python bookkeeping: scheduling, packing, sampling, detokenizing, stop rules), measured by wrapping
-the runner's infer request and `engine.step` here, without changing core/.
+per-round ratios), and the share of our engine's step time spent outside OpenVINO's infer() call
+(Python bookkeeping: scheduling, packing, sampling, stop rules), from the engine's own StepTimes.
 
     python benchmarks/bench_engine.py                      # SmolLM2 int8 and fp16, exported into a cache folder
     python benchmarks/bench_engine.py --target out/target  # an exported target of your own
@@ -25,6 +24,7 @@ the same step, so a wave is the same as keeping C requests in flight.)
 from __future__ import annotations
 
 import argparse
+import copy
 import cProfile
 import gc
 import io
@@ -109,24 +109,6 @@ class RunResult:
         )
 
 
-class _TimedInferRequest:
-    """Stands in for the runner's ov.InferRequest and adds up the time spent in infer()."""
-
-    def __init__(self, request: ov.InferRequest):
-        self._request = request
-        self.seconds = 0.0
-
-    def infer(self, *args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return self._request.infer(*args, **kwargs)
-        finally:
-            self.seconds += time.perf_counter() - start
-
-    def __getattr__(self, name):
-        return getattr(self._request, name)
-
-
 class Ours:
     name = "dflash"
 
@@ -141,22 +123,6 @@ class Ours:
                 num_kv_blocks=settings.num_kv_blocks,
             ),
         )
-        # Timing without editing core/: the infer request is wrapped, and so is the step.
-        runner = self.engine.runner
-        self._timed = _TimedInferRequest(runner._request)
-        runner._request = self._timed
-        self._step_seconds, self._num_steps = 0.0, 0
-        step = self.engine.step
-
-        def timed_step():
-            start = time.perf_counter()
-            try:
-                return step()
-            finally:
-                self._step_seconds += time.perf_counter() - start
-                self._num_steps += 1
-
-        self.engine.step = timed_step
 
     @property
     def num_kv_blocks(self) -> int:
@@ -169,19 +135,20 @@ class Ours:
 
     def run(self, waves: list[list[list[int]]], max_new_tokens: int) -> RunResult:
         params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
-        self._timed.seconds, self._step_seconds, self._num_steps = 0.0, 0.0, 0
         token_ids = []
+        times_before = copy.copy(self.engine.times)
         start, cpu_start = time.perf_counter(), time.process_time()
         for wave in waves:
             token_ids += [r.token_ids for r in self.engine.generate(wave, params)]
         seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+        times = self.engine.times - times_before  # the engine times its steps and the infer() calls in them
         return RunResult(
             seconds=seconds,
             cpu_seconds=cpu_seconds,
             token_ids=token_ids,
-            infer_seconds=self._timed.seconds,
-            step_seconds=self._step_seconds,
-            num_steps=self._num_steps,
+            infer_seconds=times.target_infer_s,
+            step_seconds=times.step_s,
+            num_steps=times.num_steps,
         )
 
 
@@ -305,8 +272,8 @@ def measure(
             f"Python {100 * row.step_overhead[-1]:.1f}% of steps ({mine.num_steps} steps, "
             f"infer {row.infer_ms_per_step[-1]:.2f} ms, other {row.other_ms_per_step[-1]:.2f} ms)"
         )
-    # Free both compiled models now: a model left for the garbage collector (the step wrapper makes a
-    # reference cycle) keeps its CPU threads, pinned to the same cores as the next engines' threads.
+    # Free both compiled models now: a model left for the garbage collector keeps its CPU threads,
+    # pinned to the same cores as the next engines' threads.
     del ours, peer
     gc.collect()
     return row

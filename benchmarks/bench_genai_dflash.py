@@ -10,7 +10,8 @@ the same OpenVINO properties. Requests run one by one (concurrency 1, the only o
 the two engines taking turns prompt by prompt, the first alternating.
 
 Reported per K: generated tokens per second, the ratio ours/peer by wall time and by process CPU time,
-mean accepted length (accepted + 1 per verification step, the bonus token included) for each, how
+mean accepted length (accepted + 1 per verification step, the bonus token included) for each, our
+host time per speculative step outside the target's and the draft's infer() calls (its share of the step), how
 many prompts accepted exactly the same number of candidates, and how many outputs are identical.
 With --exact (f32 inference and KV caches, dynamic quantization off) both compute the same function of
 the same weights, so acceptance and outputs must be equal prompt for prompt (exit 1 if not); with the
@@ -25,6 +26,7 @@ default bf16 inference they may drift apart.
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import json
 import statistics
@@ -51,6 +53,9 @@ class RequestRun:
     cpu_seconds: float
     num_drafts: int  # verification steps with candidates
     num_accepted: int
+    step_seconds: float = 0.0  # ours: inside engine steps
+    host_seconds: float = 0.0  # ours: of them, outside the target's and the draft's infer() calls
+    num_steps: int = 0
 
 
 class Ours:
@@ -74,12 +79,15 @@ class Ours:
 
     def run(self, prompt: list[int], max_new_tokens: int, num_assistant_tokens: int) -> RequestRun:
         params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True, num_assistant_tokens=num_assistant_tokens)
+        times_before = copy.copy(self.engine.times)
         start, cpu_start = time.perf_counter(), time.process_time()
         (result,) = self.engine.generate([prompt], params)
         seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
         if result.error:
             raise RuntimeError(f"dflash: {result.error}")
-        return RequestRun(list(result.token_ids), seconds, cpu_seconds, result.spec.num_drafts, result.spec.num_accepted_tokens)
+        times = self.engine.times - times_before
+        return RequestRun(list(result.token_ids), seconds, cpu_seconds, result.spec.num_drafts, result.spec.num_accepted_tokens,
+                          times.step_s, times.host_s, times.num_steps)  # fmt: skip
 
 
 class Peer:
@@ -143,6 +151,8 @@ class Row:
             "median_request_ratio": statistics.median(b.seconds / a.seconds for a, b in zip(self.ours, self.peer)),
             "dflash_tau": self._tau(self.ours),
             "genai_tau": self._tau(self.peer),
+            "dflash_host_share": sum(r.host_seconds for r in self.ours) / sum(r.step_seconds for r in self.ours),
+            "dflash_host_ms_per_step": 1e3 * sum(r.host_seconds for r in self.ours) / sum(r.num_steps for r in self.ours),
             "same_acceptance": same_acceptance,
             "identical_outputs": sum(d is None for d in divergence),
         }
@@ -151,14 +161,14 @@ class Row:
 def format_table(summaries: list[dict]) -> str:
     lines = [
         "| K | prompts | dflash tok/s | genai tok/s | ours/peer (wall) | ours/peer (CPU time) | median per-request ratio | "
-        "tau dflash | tau genai | same acceptance | identical outputs |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "tau dflash | tau genai | dflash host share of step | dflash host ms/step | same acceptance | identical outputs |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for s in summaries:
         lines.append(
             f"| {s['num_assistant_tokens']} | {s['num_prompts']} | {s['dflash_tps']:.1f} | {s['genai_tps']:.1f} | "
             f"{s['ratio_wall']:.2f} | {s['ratio_cpu']:.2f} | {s['median_request_ratio']:.2f} | {s['dflash_tau']:.2f} | "
-            f"{s['genai_tau']:.2f} | {s['same_acceptance']}/{s['num_prompts']} | {s['identical_outputs']}/{s['num_prompts']} |"
+            f"{s['genai_tau']:.2f} | {100 * s['dflash_host_share']:.1f}% | {s['dflash_host_ms_per_step']:.2f} | {s['same_acceptance']}/{s['num_prompts']} | {s['identical_outputs']}/{s['num_prompts']} |"
         )
     return "\n".join(lines)
 

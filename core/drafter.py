@@ -54,6 +54,7 @@ class NoDrafter:
     warnings: list[str] = []
     stats = DraftingStats()  # stays empty
     seconds = 0.0
+    infer_seconds = 0.0
 
     def prefix_hit_limit(self, request: Request) -> int | None:
         return None

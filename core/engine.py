@@ -12,7 +12,8 @@ One step, for every running request at once (`LLMEngine.step`):
     verify     greedy acceptance of the candidates plus the bonus token, or one sampled token; cut
                at stops (core/verification.py)
     commit     scheduler.update_from_output(): tokens appended, KV ledger advanced (rejected rows
-               not counted), full blocks published; text deltas streamed, stop rules applied
+               not counted), full blocks published; stop rules applied (text is decoded only for
+               stop strings, for an output's new_text when read, and at the end)
     draft      drafter.step(): the committed rows go to the draft, which proposes the candidates
                that the next step verifies (core/drafter.py: the target alone drafts nothing)
 
@@ -152,6 +153,7 @@ class LLMEngine:
         outputs += self._finished_by_scheduler(sched)
         self.times.step_s += time.perf_counter() - start
         self.times.num_steps += 1
+        self.times.target_infer_s, self.times.draft_infer_s = self.runner.infer_seconds, self.drafter.infer_seconds
         return outputs
 
     def _run_target(self, sched: SchedulerOutput, step_start: float) -> TargetStep:
@@ -184,11 +186,11 @@ class LLMEngine:
         return verdicts
 
     def _commit(self, req_id: str, verdict: Verdict) -> RequestOutput:
-        """Stream the new text, then apply the stop rules (the scheduler has committed the tokens)."""
+        """Apply the stop rules to the committed tokens (the scheduler has appended them)."""
         tracked = self._tracked[req_id]
-        stop = tracked.add_tokens(verdict.tokens)
+        stop = tracked.check_stop()
         if stop is None:
-            return RequestOutput(req_id, verdict.tokens, tracked.stream_delta(), finished=False)
+            return tracked.step_output(verdict.tokens)  # its text is decoded if someone reads it
         self.scheduler.finish_request(tracked.request, *stop)
         output = self._finish(tracked)
         output.new_token_ids = verdict.tokens

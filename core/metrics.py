@@ -13,7 +13,7 @@ Mean accepted length = (accepted + drafts) / drafts: tokens per verification ste
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 
 @dataclass
@@ -79,15 +79,44 @@ def _grow(counts: list[int], upto: int) -> None:
 
 @dataclass
 class StepTimes:
-    """Seconds spent in each model's inference, and in whole steps (the rest is Python)."""
+    """Where the engine's time goes, in seconds since it started.
+
+    target_s / draft_s: the target's run (packing, inference, outputs) and the whole draft step;
+    target_infer_s / draft_infer_s: inside the two models' infer() calls alone. host_s, the step time
+    outside both infer() calls (scheduling, packing, verification, bookkeeping, text), is what the
+    engine adds to the models' own time.
+    """
 
     target_s: float = 0.0
     draft_s: float = 0.0
     step_s: float = 0.0
     num_steps: int = 0
+    target_infer_s: float = 0.0
+    draft_infer_s: float = 0.0
+
+    @property
+    def host_s(self) -> float:
+        return self.step_s - self.target_infer_s - self.draft_infer_s
+
+    @property
+    def host_share(self) -> float | None:
+        """Of the step time, the share outside the infer() calls."""
+        return self.host_s / self.step_s if self.step_s > 0 else None
+
+    def __sub__(self, before: StepTimes) -> StepTimes:
+        """The times between two readings (`engine.times` copied before, and read after)."""
+        return StepTimes(*(getattr(self, f.name) - getattr(before, f.name) for f in fields(self)))
+
+    def __add__(self, other: StepTimes) -> StepTimes:
+        return StepTimes(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
 
     def to_json(self) -> dict:
-        return {"target_s": self.target_s, "draft_s": self.draft_s, "step_s": self.step_s, "num_steps": self.num_steps}
+        return {
+            **{f.name: getattr(self, f.name) for f in fields(self)},
+            "host_s": self.host_s,
+            "host_share": self.host_share,
+            "host_ms_per_step": 1e3 * self.host_s / self.num_steps if self.num_steps else None,
+        }
 
 
 @dataclass

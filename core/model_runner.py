@@ -7,6 +7,7 @@ target hidden states of every row.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,9 +20,10 @@ from .errors import InputError
 from .graph import HIDDEN_STATES_OUTPUT, SAMPLED_ROWS_INPUT, add_hidden_states_output, insert_logits_gather
 from .paged import (
     KVCacheLayout,
+    RequestInputs,
     SequenceSlice,
     allocate_kv_caches,
-    fit_to_input,
+    concatenated_ranges,
     pack_paged_inputs,
     packed_positions,
     read_kv_cache_layout,
@@ -42,6 +44,9 @@ class StepInputs:
 
 @dataclass
 class StepOutputs:
+    """What one target inference returns. `logits` is a view of the request's output tensor, valid
+    until the next inference (read it, or copy what must outlive the step); `hidden_states` is a copy."""
+
     logits: np.ndarray  # [num_sampled, vocab] f32
     hidden_states: np.ndarray | None  # [num_tokens, k * hidden] f32, when hidden layers were requested
 
@@ -52,19 +57,18 @@ def pack_target_rows(scheduled: Sequence[tuple], block_table: Callable[[str], li
     scheduled: (ScheduledRequest, Request) pairs; a request's rows are its committed tokens and then
     its candidates from `num_computed_tokens_before` on, and the last `num_sampled_rows` of them sample.
     """
-    seqs, token_ids, sample_rows = [], [], []
+    seqs, token_ids = [], []
     for s, request in scheduled:
         start = s.num_computed_tokens_before
-        first_row = len(token_ids)
-        token_ids.extend(request.token_ids_with_spec(start, start + s.num_new_tokens))
-        if s.samples:
-            last_row = first_row + s.num_new_tokens
-            sample_rows.extend(range(last_row - s.num_sampled_rows, last_row))
         seqs.append(SequenceSlice(start, s.num_new_tokens, block_table(s.req_id)))
+        token_ids += request.token_ids_with_spec(start, start + s.num_new_tokens)
+    row_ends = np.cumsum([s.num_new_tokens for s, _ in scheduled])
+    num_sampled = np.array([s.num_sampled_rows for s, _ in scheduled])
+    sample_rows = concatenated_ranges(row_ends - num_sampled, num_sampled)  # the last rows of each request
     return StepInputs(
         seqs=seqs,
-        token_ids=np.asarray(token_ids, dtype=np.int64),  # [num_tokens]
-        sample_rows=np.asarray(sample_rows, dtype=np.int64),  # [num_sampled]
+        token_ids=np.array(token_ids, dtype=np.int64),  # [num_tokens]
+        sample_rows=sample_rows,  # [num_sampled] i64
     )
 
 
@@ -76,14 +80,20 @@ def read_ov_model(model_dir: str | Path) -> ov.Model:
 
 
 class PagedModel:
-    """A compiled PagedAttention model, its KV caches and one infer request (shared by both runners)."""
+    """A compiled PagedAttention model, its KV caches and one infer request (shared by both runners).
+
+    Every call writes its inputs into the request's own tensors (`RequestInputs`) and runs infer()
+    with no arguments; `infer_seconds` adds up the time spent inside infer() alone.
+    """
 
     def __init__(self, model: ov.Model, *, device: str, ov_config: dict[str, str] | None):
         self.compiled = ov.Core().compile_model(model, device, compile_properties(ov_config))
         self.layout: KVCacheLayout = read_kv_cache_layout(self.compiled)
         self.block_size = self.layout.block_size
         self.num_blocks = 0
+        self.infer_seconds = 0.0
         self._request = self.compiled.create_infer_request()
+        self._inputs = RequestInputs(self._request, self.compiled)
 
     @property
     def bytes_per_block(self) -> int:
@@ -96,20 +106,22 @@ class PagedModel:
         self.num_blocks = num_blocks
 
     def _infer(self, seqs: list[SequenceSlice], rows: dict[str, np.ndarray], sample_rows: np.ndarray) -> None:
-        """One packed inference: paging inputs from `seqs`, per-row inputs fitted to the ports' ranks."""
-        inputs = pack_paged_inputs(seqs, self.block_size)
-        inputs["position_ids"] = packed_positions(seqs)
-        inputs.update(rows)
-        for name in ("position_ids", *rows):
-            inputs[name] = fit_to_input(self.compiled.input(name), inputs[name])
-        inputs[SAMPLED_ROWS_INPUT] = np.asarray(sample_rows, dtype=np.int64)
-        self._request.infer(inputs, share_inputs=True)  # fresh arrays each step: no copy needed
+        """One packed inference: paging inputs from `seqs`, then the per-row inputs and the sampled rows."""
+        for name, values in pack_paged_inputs(seqs, self.block_size).items():
+            self._inputs.write(name, values)
+        self._inputs.write("position_ids", packed_positions(seqs))
+        for name, values in rows.items():
+            self._inputs.write(name, values)
+        self._inputs.write(SAMPLED_ROWS_INPUT, sample_rows)
+        start = time.perf_counter()
+        self._request.infer()
+        self.infer_seconds += time.perf_counter() - start
 
     def _output(self, name: str) -> np.ndarray:
-        """An output as [rows, width]; spelled out because a step may sample no row at all, and
-        reshape(0, -1) of an empty array is an error."""
+        """An output as [rows, width], a view of the request's tensor (valid until the next inference).
+        Spelled out because a step may sample no row at all, and reshape(0, -1) of an empty array is an error."""
         data = self._request.get_tensor(name).data
-        return data.reshape(data.shape[0], data.shape[-1]).copy()
+        return data.reshape(data.shape[0], data.shape[-1])
 
 
 class TargetRunner(PagedModel):
@@ -139,5 +151,6 @@ class TargetRunner(PagedModel):
 
     def run(self, step: StepInputs) -> StepOutputs:
         self._infer(step.seqs, {"input_ids": step.token_ids}, step.sample_rows)
-        hidden = self._output(HIDDEN_STATES_OUTPUT) if self.has_hidden_states else None
+        # The draft keeps hidden rows across steps: a copy (the logits are read before the next inference).
+        hidden = self._output(HIDDEN_STATES_OUTPUT).copy() if self.has_hidden_states else None
         return StepOutputs(logits=self._output("logits"), hidden_states=hidden)

@@ -23,14 +23,25 @@ class RequestOutput:
     The `new_text` of all of a request's outputs adds up to its result's text: text that a stop
     string may still cut is held back until it is safe, and the final output brings the rest.
     finish_reason is "stop", "length", "abort" or "error".
+
+    A step's text is decoded when `new_text` is first read, so requests whose text nobody streams
+    are decoded once, when they finish. Read it before the request's next step to stream as the
+    tokens come: an output read later holds the text committed up to then, and later ones the rest.
     """
 
     req_id: str
     new_token_ids: list[int]
-    new_text: str
+    _new_text: str | None  # None: decoded from _tracked when first read
     finished: bool
     finish_reason: str | None = None
     error: str | None = None
+    _tracked: TrackedRequest | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def new_text(self) -> str:
+        if self._new_text is None:
+            self._new_text = self._tracked.stream_delta()
+        return self._new_text
 
 
 @dataclass
@@ -82,19 +93,36 @@ class TrackedRequest:
     first_token_at: float | None = None
     finished_at: float | None = None
     num_streamed_chars: int = 0  # of the text, already handed out as RequestOutput.new_text
+    num_decoded_tokens: int = 0  # output tokens the detokenizer has read (the text is decoded lazily)
     final_text: str | None = None  # set when the request finishes: stop strings cut, nothing held back
 
-    def add_tokens(self, tokens: list[int]) -> tuple[RequestStatus, str] | None:
-        """Committed tokens: extend the text; whether a stop rule now ends the request, and why."""
+    def check_stop(self) -> tuple[RequestStatus, str] | None:
+        """After a step committed tokens (request.output_token_ids has them): whether a stop rule now
+        ends the request, and why. The text is decoded here only for stop strings; otherwise when read."""
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
-        self.detokenizer.add(tokens)
-        return self.stop.check(self.request.output_token_ids, self.detokenizer.text)
+        return self.stop.check(self.request.output_token_ids, self.text if self.stop.needs_text else "")
+
+    @property
+    def text(self) -> str:
+        """The text of the committed output tokens so far (incomplete characters held back)."""
+        self._decode_new_tokens()
+        return self.detokenizer.text
+
+    def _decode_new_tokens(self) -> None:
+        output = self.request.output_token_ids
+        if self.num_decoded_tokens < len(output):
+            self.detokenizer.add(output[self.num_decoded_tokens :])
+            self.num_decoded_tokens = len(output)
+
+    def step_output(self, tokens: list[int]) -> RequestOutput:
+        """The output of a step that did not finish the request; its text is decoded when read."""
+        return RequestOutput(self.request.req_id, tokens, None, False, _tracked=self)
 
     def stream_delta(self) -> str:
         """The text not streamed yet, less the tail that a stop string could still claim (a stop
         string cut from the final text must never have been streamed)."""
-        text = self.detokenizer.text
+        text = self.text
         end = len(text) - self.stop.num_held_back_chars
         if end <= self.num_streamed_chars:
             return ""
@@ -106,6 +134,7 @@ class TrackedRequest:
         """Record the finish time and the final text; the output tells the caller the request ended
         and carries the text not streamed yet."""
         self.finished_at = time.perf_counter()
+        self._decode_new_tokens()
         self.detokenizer.flush()  # a trailing incomplete character is still part of the text
         self.final_text = self.stop.trim_text(self.detokenizer.text)
         delta = self.final_text[self.num_streamed_chars :]

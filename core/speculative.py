@@ -110,6 +110,11 @@ class DFlashDrafter:
         self._max_pending_rows = max(1, MAX_PENDING_BYTES // row_bytes)
 
     @property
+    def infer_seconds(self) -> float:
+        """Seconds inside the draft's infer() calls (the Markov head's count as host work)."""
+        return self.runner.infer_seconds
+
+    @property
     def adaptive(self) -> AdaptiveSchedule:
         return self.schedules["adaptive"]
 

@@ -21,6 +21,11 @@ class StopChecker:
         self._stop_strings = tuple(s for s in params.stop_strings if s)
 
     @property
+    def needs_text(self) -> bool:
+        """Whether `check` reads the text (stop strings); without them the token ids decide."""
+        return bool(self._stop_strings)
+
+    @property
     def num_held_back_chars(self) -> int:
         """Trailing characters of the text not yet safe to stream: they could be the start of a stop
         string that the next tokens complete (and that the final text will cut)."""

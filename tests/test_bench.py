@@ -104,14 +104,18 @@ def test_json_schema(sweep):
         assert s["wall_s"] > 0 and s["tokens_per_s"] == pytest.approx(s["num_generated_tokens"] / s["wall_s"])
         assert set(s["ttft_s"]) == {"p50", "p90"} and s["ttft_s"]["p50"] <= s["ttft_s"]["p90"]
         assert s["tpot_s"]["p50"] > 0
-        assert set(s["times"]) == {"target_s", "draft_s", "step_s", "num_steps"}
+        assert set(s["times"]) >= {"target_s", "draft_s", "step_s", "num_steps", "target_infer_s", "draft_infer_s", "host_share"}
         assert 0 < s["target_share"] <= 1
+        # Host time: the step outside the infer() calls, which happen inside the target's run and the draft step.
+        times = s["times"]
+        assert 0 < times["target_infer_s"] < times["target_s"] and 0 <= times["draft_infer_s"] < times["draft_s"] + 1e-9
+        assert 0 < s["host_share"] < 1 and s["host_share"] == pytest.approx(times["host_s"] / times["step_s"])
         assert s["errors"] == []
         if s["kind"] == "baseline":
             assert s["spec"] is None and s["agreement"] is None and s["speedup"] is None and s["draft_share"] is None
-            assert s["times"]["draft_s"] == 0
+            assert s["times"]["draft_s"] == 0 and s["times"]["draft_infer_s"] == 0
         else:
-            assert s["kind"] == "speculative" and 0 < s["draft_share"] < 1
+            assert s["kind"] == "speculative" and 0 < s["draft_share"] < 1 and s["times"]["draft_infer_s"] > 0
             assert isinstance(s["speedup"], float)
             assert set(s["spec"]) >= {"num_drafts", "num_draft_tokens", "num_accepted_tokens", "mean_accepted_length",
                                       "acceptance_rate", "acceptance_by_position"}  # fmt: skip
