@@ -8,6 +8,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from dflash.core.config import DEFAULT_KV_CACHE_GIB  # noqa: F401 - the default of --kv-cache-size
+
 
 class DraftKind(str, Enum):
     """The two draft families: z-lab DFlash and DeepSpec DSpark."""
@@ -32,9 +34,7 @@ class WeightFormat(str, Enum):
     int4 = "int4"
 
 
-JsonOpt = Annotated[
-    bool, typer.Option("--json", help="Print machine-readable JSON on stdout and nothing else.")
-]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout and nothing else.")]
 QuietOpt = Annotated[
     bool, typer.Option("--quiet", "-q", help="No progress or informational messages on stderr.")
 ]
@@ -63,6 +63,41 @@ ExistingDir = Annotated[
     typer.Argument(exists=True, file_okay=False, dir_okay=True, readable=True, resolve_path=True),
 ]
 
+
+# ---- the models (generate, bench) ----------------------------------------------------------------------
+
+DEFAULT_PAIR_HELP = "Without TARGET_DIR: the embedded SmolLM2-135M-Instruct pair, exported on first use."
+DraftOpt = Annotated[
+    Optional[Path],
+    typer.Option("--draft", help="An exported DFlash/DSpark draft: speculative decoding beside the target.", show_default=False),
+]
+DefaultDraftOpt = Annotated[
+    DraftKind, typer.Option("--default-draft", help="Without TARGET_DIR: which trained default draft runs beside SmolLM2.")
+]
+SCHEDULE_HELP = (
+    "adaptive: per request, the candidates whose measured acceptance pays for the measured cost of drafting "
+    "(none if nothing pays); constant: always --num-assistant-tokens; heuristic: +2 candidates after a step "
+    "that accepted them all, -1 otherwise."
+)
+MarkovTopKHelp = "DSpark drafts: candidates per row the Markov head scores (default: the export's K; 0: the dense Markov walk)."
+ChatOpt = Annotated[
+    Optional[bool],
+    typer.Option("--chat/--no-chat", help="Apply the tokenizer's chat template (default: when it has one).", show_default=False),
+]
+
+# ---- the engine (generate, bench): one EngineConfig from them, engine_config() below ----------------------
+
+DeviceOpt = Annotated[str, typer.Option("--device", help="OpenVINO device (CPU, GPU, ...).")]
+KvCacheSizeOpt = Annotated[float, typer.Option("--kv-cache-size", min=0.001, help="The target's KV cache in GiB.")]
+DraftKvCacheSizeOpt = Annotated[
+    Optional[float],
+    typer.Option("--draft-kv-cache-size", min=0.001, help="The draft's KV cache in GiB.", show_default="as --kv-cache-size"),
+]
+MaxNumBatchedTokensOpt = Annotated[int, typer.Option("--max-num-batched-tokens", min=1, help="Token budget of one engine step.")]
+PrefixCachingOpt = Annotated[bool, typer.Option("--prefix-caching/--no-prefix-caching", help="Reuse the KV of shared prompt prefixes.")]
+DynamicSplitFuseOpt = Annotated[
+    bool, typer.Option("--dynamic-split-fuse/--no-dynamic-split-fuse", help="Mix prompt chunks and generation rows in one step.")
+]
 OvConfigOpt = Annotated[
     Optional[list[str]],
     typer.Option(
@@ -71,6 +106,25 @@ OvConfigOpt = Annotated[
         show_default=False,
     ),
 ]
+
+
+def engine_config(*, device: str, ov_config: list[str] | None, kv_cache_size: float,
+                  draft_kv_cache_size: float | None, max_num_batched_tokens: int, max_num_seqs: int,
+                  prefix_caching: bool = True, dynamic_split_fuse: bool = True, markov_top_k: int | None = None):  # fmt: skip
+    """The EngineConfig of the engine options (a malformed --ov-config is a usage error, exit 2)."""
+    from dflash.core.config import EngineConfig
+
+    return EngineConfig(
+        device=device,
+        ov_config=parse_ov_config(ov_config),
+        kv_cache_size_gib=kv_cache_size,
+        draft_kv_cache_size_gib=draft_kv_cache_size,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        enable_prefix_caching=prefix_caching,
+        dynamic_split_fuse=dynamic_split_fuse,
+        markov_head_top_k=markov_top_k,
+    )
 
 
 # ---- sampling (generate, bench): the fields of core.config.SamplingParams -------------------------------
@@ -84,7 +138,7 @@ TopPOpt = Annotated[
 ]
 TopKOpt = Annotated[int, typer.Option("--top-k", min=0, help="Sample among the K most likely tokens (0: all).")]
 SeedOpt = Annotated[
-    Optional[int], typer.Option("--seed", help="Seed of sampling, for repeatable samples (default: a fresh seed).", show_default=False)
+    Optional[int], typer.Option("--seed", help="Seed of sampling, for repeatable samples.", show_default="a fresh seed")
 ]
 
 

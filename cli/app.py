@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import inspect
 import sys
 from typing import Annotated, Optional
 
+import click
 import typer
+from typer.core import TyperCommand
 
 from . import bench as bench_cmd
 from . import eval_draft as eval_draft_cmd
@@ -24,7 +27,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=True,
     pretty_exceptions_enable=False,
-    rich_markup_mode="rich",
+    rich_markup_mode=None,  # plain click help: wraps whole option names and defaults at any width
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110},
 )
 
@@ -47,12 +50,35 @@ def _root(
     """DFlash and DSpark speculative decoding on OpenVINO."""
 
 
-app.command("export", epilog=export_cmd.EXAMPLES)(export_cmd.export)
-app.command("validate", epilog=validate_cmd.EXAMPLES)(validate_cmd.validate)
-app.command("generate", epilog=generate_cmd.EXAMPLES)(generate_cmd.generate)
-app.command("train", epilog=train_cmd.EXAMPLES)(train_cmd.train)
-app.command("bench", epilog=bench_cmd.EXAMPLES)(bench_cmd.bench)
-app.command("eval-draft", epilog=eval_draft_cmd.EXAMPLES)(eval_draft_cmd.eval_draft)
+class _Command(TyperCommand):
+    """A command whose arguments show their help once: click 8.5's Parameter sets `help` to None after
+    typer has set it, so it is read back from the function's annotations here; typer lists the
+    arguments with the options, so click 8.5's own section of them is left out."""
+
+    def format_arguments(self, ctx, formatter) -> None:
+        pass
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        from typer.models import ArgumentInfo
+        from typer.utils import get_params_from_function
+
+        declared = get_params_from_function(inspect.unwrap(self.callback))
+        for param in self.params:
+            info = getattr(declared.get(param.name), "default", None)
+            if isinstance(param, click.Argument) and not getattr(param, "help", None) and isinstance(info, ArgumentInfo):
+                param.help = info.help
+
+
+for name, module, function in (
+    ("export", export_cmd, export_cmd.export),
+    ("validate", validate_cmd, validate_cmd.validate),
+    ("generate", generate_cmd, generate_cmd.generate),
+    ("train", train_cmd, train_cmd.train),
+    ("bench", bench_cmd, bench_cmd.bench),
+    ("eval-draft", eval_draft_cmd, eval_draft_cmd.eval_draft),
+):
+    app.command(name, cls=_Command, epilog=module.EXAMPLES)(function)
 
 
 def main() -> None:

@@ -11,121 +11,130 @@ from rich.markup import escape
 
 from ._errors import EXIT_INTERRUPTED, handled_errors
 from ._options import (
+    DEFAULT_KV_CACHE_GIB,
+    DEFAULT_PAIR_HELP,
+    SCHEDULE_HELP,
     AssistantSchedule,
+    ChatOpt,
     DebugOpt,
+    DefaultDraftOpt,
+    DeviceOpt,
     DraftKind,
+    DraftKvCacheSizeOpt,
+    DraftOpt,
+    DynamicSplitFuseOpt,
+    KvCacheSizeOpt,
+    MarkovTopKHelp,
+    MaxNumBatchedTokensOpt,
     OvConfigOpt,
+    PrefixCachingOpt,
     QuietOpt,
     SeedOpt,
     TemperatureOpt,
     TopKOpt,
     TopPOpt,
-    parse_ov_config,
+    engine_config,
     sampling_params,
 )
 from ._output import Output
 from ._preflight import check_writable
 
 EXAMPLES = """\
+\b
 Examples:
-
-  dflash bench                                              # the embedded SmolLM2 pair, HumanEval
-
-  dflash bench --default-draft dspark --num-prompts 10 --max-new-tokens 64 --concurrency 1
-
-  dflash bench out/target --draft out/draft --concurrency 1,4,8 --num-assistant-tokens 4,8,15 --json bench.json
-
-  dflash bench --concurrency 1,8 --num-assistant-tokens 3,auto --num-assistant-tokens-schedule constant,adaptive
-
-  dflash bench --concurrency 1,8 --rounds 3            # ratios: median of 3 interleaved rounds, with their range
-
-  dflash bench out/target --draft out/draft --dataset prompts.jsonl --plot bench.png --min-accepted-length 2
-
-  dflash bench out/target --draft out/draft --ov-config INFERENCE_PRECISION_HINT=f32 --ov-config KV_CACHE_PRECISION=f32
+  dflash bench                            # the default pair on HumanEval
+  dflash bench --default-draft dspark --num-prompts 10 --concurrency 1
+  dflash bench out/target --draft out/draft --concurrency 1,4,8 \\
+      --num-assistant-tokens 4,8,15 --json-file bench.json
+  dflash bench --concurrency 1,8 --num-assistant-tokens 3,auto \\
+      --num-assistant-tokens-schedule constant,adaptive
+  dflash bench --concurrency 1,8 --rounds 3   # median ratio of 3 rounds
+  dflash bench --json > bench.json           # the report alone, on stdout
+  dflash bench out/target --draft out/draft --dataset prompts.jsonl \\
+      --plot bench.png --min-accepted-length 2
+  dflash bench out/target --draft out/draft \\
+      --ov-config INFERENCE_PRECISION_HINT=f32 \\
+      --ov-config KV_CACHE_PRECISION=f32    # exact: outputs must match
 """
 
 
 def bench(
     target_dir: Annotated[
-        Optional[Path],
-        typer.Argument(help="An exported target folder [default: the embedded SmolLM2-135M pair].", show_default=False),
+        Optional[Path], typer.Argument(help="An exported target folder (needs --draft). " + DEFAULT_PAIR_HELP, show_default=False)
     ] = None,
-    draft: Annotated[
-        Optional[Path], typer.Option("--draft", help="An exported DFlash/DSpark draft (required with TARGET_DIR).", show_default=False)
-    ] = None,
-    default_draft: Annotated[
-        DraftKind, typer.Option("--default-draft", help="Without TARGET_DIR: which trained default draft runs beside SmolLM2.")
-    ] = DraftKind.dflash,
-    dataset: Annotated[
-        str, typer.Option("--dataset", help="humaneval (164 prompts) or a prompts file (.txt / .jsonl).")
-    ] = "humaneval",
+    draft: DraftOpt = None,
+    default_draft: DefaultDraftOpt = DraftKind.dflash,
+    dataset: Annotated[str, typer.Option("--dataset", help="humaneval (164 prompts) or a prompts file (.txt / .jsonl).")] = "humaneval",
     num_prompts: Annotated[int, typer.Option("--num-prompts", min=0, help="The first N prompts (0: all).")] = 16,
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="Tokens each request generates (greedy, ignore EOS).")] = 128,
     concurrency: Annotated[str, typer.Option("--concurrency", help="Requests in flight, comma-separated: e.g. 1,4,8.")] = "1,4",
     num_assistant_tokens: Annotated[
-        str, typer.Option("--num-assistant-tokens", help="Candidates per draft step, comma-separated; auto = all the draft's block yields.")
+        str, typer.Option("--num-assistant-tokens", help="Candidates per draft step at most, comma-separated; auto: all the draft's block yields.")
     ] = "auto",
     num_assistant_tokens_schedule: Annotated[
-        str,
-        typer.Option("--num-assistant-tokens-schedule", help="adaptive (per request, the candidates whose measured acceptance pays for the measured cost of drafting, none if nothing pays), constant (always --num-assistant-tokens) and/or heuristic (+2 candidates after a step that accepted them all, -1 otherwise), comma-separated."),
+        str, typer.Option("--num-assistant-tokens-schedule", help="Comma-separated. " + SCHEDULE_HELP)
     ] = "adaptive",
-    markov_top_k: Annotated[
-        str, typer.Option("--markov-top-k", help="DSpark drafts: Markov head top-K values, comma-separated; auto = the export's K, 0 = dense.")
-    ] = "auto",
-    chat: Annotated[
-        Optional[bool], typer.Option("--chat/--no-chat", help="Apply the chat template (default: when the tokenizer has one).", show_default=False)
-    ] = None,
+    markov_top_k: Annotated[str, typer.Option("--markov-top-k", help=MarkovTopKHelp[:-1] + "; comma-separated, auto: the export's K.")] = "auto",
+    rounds: Annotated[int, typer.Option("--rounds", min=1, help="Runs of every setting, each right after its baseline; the speedup is the median of the per-round ratios, with their range.")] = 1,
+    warmup: Annotated[int, typer.Option("--warmup", min=0, help="Warm-up requests per engine, excluded from the figures.")] = 2,
+    no_baseline: Annotated[bool, typer.Option("--no-baseline", help="Skip the target-alone runs (no speedup, no lossless check).")] = False,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="Tokens each request generates (EOS ignored).")] = 128,
+    chat: ChatOpt = None,
     temperature: TemperatureOpt = 0.0,
     top_p: TopPOpt = 1.0,
     top_k: TopKOpt = 0,
     seed: SeedOpt = None,
-    warmup: Annotated[int, typer.Option("--warmup", min=0, help="Warm-up requests per engine, excluded from the figures.")] = 2,
-    rounds: Annotated[int, typer.Option("--rounds", min=1, help="Runs of every setting, each right after its baseline; the speedup is the median of the per-round ratios, with their range.")] = 1,
-    kv_cache_size: Annotated[Optional[float], typer.Option("--kv-cache-size", min=0.001, help="KV cache size in GiB [default: 0.25].", show_default=False)] = None,
-    max_num_batched_tokens: Annotated[int, typer.Option("--max-num-batched-tokens", min=1, help="Token budget of one engine step.")] = 256,
-    device: Annotated[str, typer.Option("--device", help="OpenVINO device.")] = "CPU",
+    device: DeviceOpt = "CPU",
     ov_config: OvConfigOpt = None,
+    kv_cache_size: KvCacheSizeOpt = DEFAULT_KV_CACHE_GIB,
+    draft_kv_cache_size: DraftKvCacheSizeOpt = None,
+    max_num_batched_tokens: MaxNumBatchedTokensOpt = 256,
+    prefix_caching: PrefixCachingOpt = True,
+    dynamic_split_fuse: DynamicSplitFuseOpt = True,
     strict: Annotated[bool, typer.Option("--strict", help="Exit 1 on any output that differs from the baseline, even with bf16 inference.")] = False,
-    json_file: Annotated[Optional[Path], typer.Option("--json", help="Write every figure and the environment to FILE (schema: docs/bench-json.md).", show_default=False)] = None,
-    plot: Annotated[Optional[Path], typer.Option("--plot", help="Write acceptance by position and throughput vs concurrency to FILE.png (needs matplotlib).", show_default=False)] = None,
-    no_baseline: Annotated[bool, typer.Option("--no-baseline", help="Skip the target-alone runs (no speedup, no lossless check).")] = False,
     min_accepted_length: Annotated[
         Optional[float], typer.Option("--min-accepted-length", min=0.0, help="Exit 1 if a setting's mean accepted length is below X.", show_default=False)
     ] = None,
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="Write acceptance by position, throughput and speedup vs concurrency to FILE.png.", show_default=False)] = None,
+    json_file: Annotated[
+        Optional[Path],
+        typer.Option("--json-file", help="Write every figure and the environment to FILE (schema: docs/bench-json.md), rewritten after every run.", show_default=False),
+    ] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="Print the report (as --json-file writes it) on stdout and nothing else.")] = False,
     quiet: QuietOpt = False,
     debug: DebugOpt = False,
 ) -> None:
     """Benchmark speculative decoding against the target alone: throughput, latency, acceptance.
 
-    Runs the autoregressive baseline and every setting of the sweep (concurrency x num-assistant-tokens x schedule x markov-top-k) on the same prompts, each setting right after its baseline (--rounds N repeats that and takes the median ratio), greedy with EOS ignored, and checks every speculative output token for token against the baseline. Exit codes: 0 ok; 1 an output differs with f32 inference (or with --strict), a request failed, or the mean accepted length is below --min-accepted-length; 2 usage; 130 interrupted (SIGINT), 143 terminated (SIGTERM): the finished settings are still written to --json, with status "interrupted".
+    Runs the autoregressive baseline and every setting of the sweep (concurrency x num-assistant-tokens x schedule x markov-top-k) on the same prompts, each setting right after its baseline (--rounds N repeats that and takes the median ratio), EOS ignored, and, when greedy, compares every speculative output token for token with the baseline's. Exit codes: 0 ok; 1 an output differs with f32 inference (or with --strict), a request failed, or the mean accepted length is below --min-accepted-length; 2 usage; 130 interrupted (SIGINT), 143 terminated (SIGTERM): the finished settings are still written to --json-file, with status "interrupted".
     """
-    output = Output(quiet=quiet)
+    output = Output(json_mode=json_output, quiet=quiet)
     report = None
     # Malformed option values are usage errors that click reports (exit 2), before anything loads.
     concurrencies = _int_list(concurrency, "--concurrency", minimum=1)
-    assistant_tokens = _int_list(num_assistant_tokens, "--num-assistant-tokens", minimum=1, auto=True)
+    assistant_tokens = _int_list(num_assistant_tokens, "--num-assistant-tokens", minimum=0, auto=True)
+    if 0 in assistant_tokens:
+        raise typer.BadParameter("0 (no drafting) is the baseline, which bench runs at every concurrency", param_hint="--num-assistant-tokens")
     top_ks = _int_list(markov_top_k, "--markov-top-k", minimum=0, auto=True)
     schedules = _choice_list(num_assistant_tokens_schedule, "--num-assistant-tokens-schedule", tuple(s.value for s in AssistantSchedule))
-    properties = parse_ov_config(ov_config)
     with handled_errors(output, debug=debug):
         from dflash.bench.datasets import load_dataset
         from dflash.bench.sweep import BenchOptions, run_bench
-        from dflash.core.engine import EngineConfig
         from dflash.core.errors import InputError
 
-        config = EngineConfig(
-            device=device,
-            ov_config=properties,
-            kv_cache_size_gib=kv_cache_size,
-            draft_kv_cache_size_gib=kv_cache_size,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max(max(concurrencies), 1),
-        )
+        config = engine_config(
+            device=device, ov_config=ov_config, kv_cache_size=kv_cache_size, draft_kv_cache_size=draft_kv_cache_size,
+            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max(concurrencies),
+            prefix_caching=prefix_caching, dynamic_split_fuse=dynamic_split_fuse,
+        )  # fmt: skip
+        sampling = sampling_params(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        if target_dir is not None and json_output and target_dir.suffix == ".json" and not target_dir.is_dir():
+            raise InputError(f"--json takes no file name (it prints the report on stdout); {target_dir} was read as TARGET_DIR",
+                             f"write the report to a file with --json-file {target_dir}")  # fmt: skip
         if plot is not None:
             _require_matplotlib()
             check_writable(plot, "--plot")
         if json_file is not None:  # checked now, not after an hour of benchmarking
-            check_writable(json_file, "--json")
+            check_writable(json_file, "--json-file")
         prompts = load_dataset(dataset, num_prompts)
         if target_dir is not None and draft is None:
             raise InputError("a target needs a draft to benchmark", "pass --draft DRAFT_DIR, or no TARGET_DIR for the embedded pair")
@@ -133,9 +142,8 @@ def bench(
         options = BenchOptions(
             target_dir=target_dir, draft_dir=draft, prompts=prompts, engine_config=config,
             max_new_tokens=max_new_tokens, concurrencies=concurrencies, num_assistant_tokens=assistant_tokens,
-            schedules=schedules,
-            markov_top_ks=top_ks, chat=chat, warmup=warmup, rounds=rounds, baseline=not no_baseline, dataset=dataset,
-            sampling=sampling_params(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed),
+            schedules=schedules, markov_top_ks=top_ks, chat=chat, warmup=warmup, rounds=rounds,
+            baseline=not no_baseline, dataset=dataset, sampling=sampling,
         )  # fmt: skip
         with _LiveProgress(output, json_file) as progress:
             report = run_bench(options, progress)
@@ -143,6 +151,8 @@ def bench(
 
         with interrupts.deferred():  # a signal now waits until the figures are written
             _print_tables(report, output)
+            if json_output:
+                output.json(report.to_json())
             if json_file is not None:
                 _write_json(report, json_file)
                 output.info(f"[dim]wrote {escape(str(json_file))}[/dim]")
@@ -320,44 +330,69 @@ def _fmt(value: float | None, pattern: str) -> str:
     return "-" if value is None else format(value, pattern)
 
 
-def _print_tables(report, output: Output) -> None:
-    """Three narrow tables (they fit 80 columns): speed and latency, acceptance and time shares,
-    acceptance by draft position."""
+def _table(title: str, columns: tuple[str, ...]):
+    """A table whose figures never wrap or get cut; the setting column folds if 80 columns are short."""
     from rich.table import Table
 
+    table = Table(title=title, title_justify="left")
+    table.add_column(columns[0], overflow="fold", ratio=1)
+    for column in columns[1:]:
+        table.add_column(column, justify="right", no_wrap=True)
+    return table
+
+
+def _print_tables(report, output: Output) -> None:
+    """Narrow tables that fit 80 columns, each with a legend of its own columns: throughput, latency,
+    acceptance and agreement with the baseline, time shares, acceptance by draft position."""
     if not report.settings:
         return
     suffix = "" if report.status == "complete" else f" ({report.status})"
-    speed = Table(title="throughput and latency" + suffix)
-    for column in ("setting", "tok/s", "speedup", "TTFT50", "TTFT90", "TPOT50", "TPOT90"):
-        speed.add_column(column, justify="left" if column == "setting" else "right", no_wrap=True)
+    speed = _table("throughput" + suffix, ("setting", "tok/s", "speedup"))
+    latency = _table("latency (ms)" + suffix, ("setting", "TTFT p50", "TTFT p90", "TPOT p50", "TPOT p90"))
     for s in report.settings:
         speedup = "-" if s.speedup is None else f"{s.speedup:.2f}x"
         if s.speedup_range is not None and s.rounds > 1:
             speedup += f" ({s.speedup_range[0]:.2f}-{s.speedup_range[1]:.2f})"
-        speed.add_row(s.name, f"{s.tokens_per_s:.1f}", speedup, _ms(s.ttft_s["p50"]), _ms(s.ttft_s["p90"]),
-                      _ms(s.tpot_s["p50"]), _ms(s.tpot_s["p90"]))  # fmt: skip
+        speed.add_row(s.name, f"{s.tokens_per_s:.1f}", speedup)
+        latency.add_row(s.name, _ms(s.ttft_s["p50"]), _ms(s.ttft_s["p90"]), _ms(s.tpot_s["p50"]), _ms(s.tpot_s["p90"]))
+    rounds = f"median and range over {report.settings[0].rounds} rounds" if report.settings[0].rounds > 1 else "one round"
     output.data(speed)
-    output.data("[dim](TTFT/TPOT p50/p90 in ms; speedup over the baseline at the same concurrency; =base: outputs identical to the baseline, 1st diff: median first differing token)[/dim]")
+    output.data(f"[dim]tok/s: generated tokens per second over all requests; speedup: over the baseline at the same "
+                f"concurrency, run right before it ({rounds})[/dim]\n")  # fmt: skip
+    output.data(latency)
+    output.data("[dim]TTFT: time to the first token; TPOT: time per output token after it; p50/p90: median and "
+                "90th percentile over the requests[/dim]\n")  # fmt: skip
     if not report.speculative:
         return
-    acceptance = Table(title="acceptance" + suffix)
-    for column in ("setting", "tau", "acc", "drafting", "target", "draft", "=base", "1st diff"):
-        acceptance.add_column(column, justify="left" if column == "setting" else "right", no_wrap=True)
+    acceptance = _table("acceptance" + suffix, ("setting", "tau", "acc", "=base", "1st diff"))
+    shares = _table("where the time goes" + suffix, ("setting", "drafting", "target", "draft"))
+    positions = _table("acceptance by draft position", ("setting", "positions 1..k"))
+    positions.columns[1].no_wrap, positions.columns[1].justify = False, "left"
     for s in report.speculative:
         spec = s.spec or {}
         agreement = f"{s.agreement.identical}/{s.agreement.compared}" if s.agreement else "-"
         divergence = _fmt(s.agreement.median_first_divergence, "g") if s.agreement else "-"
         acceptance.add_row(s.name, _fmt(spec.get("mean_accepted_length"), ".2f"), _fmt(spec.get("acceptance_rate"), ".1%"),
-                           _fmt(s.drafting_share, ".0%"), _fmt(s.target_share, ".0%"), _fmt(s.draft_share, ".0%"), agreement, divergence)  # fmt: skip
-    output.data(acceptance)
-    positions = Table(title="acceptance by draft position")
-    positions.add_column("setting", no_wrap=True)
-    positions.add_column("positions 1..k")
-    for s in report.speculative:
-        rates = (s.spec or {}).get("acceptance_by_position") or []
+                           agreement, divergence)  # fmt: skip
+        shares.add_row(s.name, _fmt(s.drafting_share, ".0%"), _fmt(s.target_share, ".0%"), _fmt(s.draft_share, ".0%"))
+        rates = spec.get("acceptance_by_position") or []
         positions.add_row(s.name, " ".join(f"{r:.2f}" for r in rates) or "-")
+    output.data(acceptance)
+    output.data("[dim]tau: mean accepted length (tokens per draft step, the target's own token included); acc: share "
+                "of candidates accepted; =base: outputs identical to the baseline's; 1st diff: median index of the "
+                f"first differing token of those that differ. {_AGREEMENT[report.exact]}[/dim]\n")  # fmt: skip
+    output.data(shares)
+    output.data("[dim]drafting: share of request steps that drafted; target, draft: share of the step time spent "
+                "in the target's and in the draft's inference[/dim]\n")  # fmt: skip
     output.data(positions)
+
+
+_AGREEMENT = {
+    True: "f32 inference: every output must equal the baseline's.",
+    False: "bf16 inference (the CPU default): a row's logits depend on how many rows share the step, so a near-tie "
+    "can flip a token and outputs can part from the baseline's; with --ov-config INFERENCE_PRECISION_HINT=f32 "
+    "--ov-config KV_CACHE_PRECISION=f32 they are identical.",
+}
 
 
 def _write_json(report, path: Path) -> None:

@@ -11,126 +11,127 @@ from rich.markup import escape
 
 from ._errors import handled_errors
 from ._options import (
+    DEFAULT_KV_CACHE_GIB,
+    DEFAULT_PAIR_HELP,
+    SCHEDULE_HELP,
     AssistantSchedule,
+    ChatOpt,
     DebugOpt,
+    DefaultDraftOpt,
+    DeviceOpt,
     DraftKind,
+    DraftKvCacheSizeOpt,
+    DraftOpt,
+    DynamicSplitFuseOpt,
     JsonOpt,
+    KvCacheSizeOpt,
+    MarkovTopKHelp,
+    MaxNumBatchedTokensOpt,
     OvConfigOpt,
+    PrefixCachingOpt,
     QuietOpt,
     SeedOpt,
     TemperatureOpt,
     TopKOpt,
     TopPOpt,
-    parse_ov_config,
+    engine_config,
     sampling_params,
 )
 from ._output import Output
 
 EXAMPLES = """\
+\b
 Examples:
-
-  dflash generate "Write a function that reverses a list."      # the embedded default pair
-
-  dflash generate out/target "Write a haiku about CPUs."
-
-  dflash generate out/target --prompts-file prompts.jsonl --max-new-tokens 256 --json > results.jsonl
-
-  dflash generate out/target "def fib(n):" --no-chat --ov-config INFERENCE_PRECISION_HINT=f32
-
-  dflash generate out/target --draft out/draft --prompts-file prompts.txt --num-assistant-tokens 8
-
-  dflash generate --prompts-file prompts.txt --num-assistant-tokens-schedule constant   # always the whole block
+  dflash generate "Write a function that reverses a list."  # the default pair
+  dflash generate "Write a haiku about CPUs." -q > haiku.txt
+  dflash generate out/target --draft out/draft "Write a haiku about CPUs."
+  dflash generate out/target --prompts-file prompts.jsonl --json > out.jsonl
+  dflash generate out/target "def fib(n):" --no-chat \\
+      --ov-config INFERENCE_PRECISION_HINT=f32
+  dflash generate --prompts-file prompts.txt --num-assistant-tokens 8 \\
+      --num-assistant-tokens-schedule constant       # always 8 candidates
+  dflash generate "Tell me a story." --temperature 0.7 --top-p 0.9 --seed 1
 """
 
 
 def generate(
     target_dir: Annotated[
         Optional[str],
-        typer.Argument(help="An exported target folder (default: the embedded SmolLM2-135M-Instruct pair).", show_default=False),
+        typer.Argument(help="An exported target folder. " + DEFAULT_PAIR_HELP, show_default=False),
     ] = None,
     prompts: Annotated[Optional[list[str]], typer.Argument(help="Prompts to generate from.", show_default=False)] = None,
-    default_draft: Annotated[
-        DraftKind,
-        typer.Option("--default-draft", help="Without TARGET_DIR: which trained default draft runs beside SmolLM2."),
-    ] = DraftKind.dflash,
-    draft: Annotated[
-        Optional[Path],
-        typer.Option("--draft", help="An exported DFlash/DSpark draft: speculative decoding, greedy output unchanged.", show_default=False),
-    ] = None,
-    num_assistant_tokens: Annotated[
-        Optional[int],
-        typer.Option("--num-assistant-tokens", min=0, help="Candidates per draft step (default: all the draft's block yields; 0: no drafting).", show_default=False),
-    ] = None,
-    num_assistant_tokens_schedule: Annotated[
-        AssistantSchedule,
-        typer.Option("--num-assistant-tokens-schedule", help="adaptive: per request, the candidates whose measured acceptance pays for the measured cost of drafting (none if nothing pays); constant: always --num-assistant-tokens; heuristic: +2 candidates after a step that accepted them all, -1 otherwise."),
-    ] = AssistantSchedule.adaptive,
-    markov_top_k: Annotated[
-        Optional[int],
-        typer.Option("--markov-top-k", min=0, help="DSpark drafts: candidates per row the Markov head scores (default: the export's K; 0: the dense Markov walk).", show_default=False),
-    ] = None,
-    draft_kv_cache_size: Annotated[
-        Optional[float],
-        typer.Option("--draft-kv-cache-size", min=0.001, help="The draft's KV cache in GiB [default: as the target's].", show_default=False),
-    ] = None,
     prompts_file: Annotated[
         Optional[Path],
         typer.Option("--prompts-file", help=".txt (one prompt per line) or .jsonl (prompt / messages / turns).", show_default=False),
     ] = None,
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="Tokens to generate per prompt at most.")] = 128,
-    chat: Annotated[
-        Optional[bool],
-        typer.Option("--chat/--no-chat", help="Apply the tokenizer's chat template (default: when it has one).", show_default=False),
+    draft: DraftOpt = None,
+    default_draft: DefaultDraftOpt = DraftKind.dflash,
+    num_assistant_tokens: Annotated[
+        Optional[int],
+        typer.Option("--num-assistant-tokens", min=0, help="Candidates per draft step at most (0: the target alone, no draft loaded).",
+                     show_default="all the draft's block yields"),
     ] = None,
-    kv_cache_size: Annotated[Optional[float], typer.Option("--kv-cache-size", min=0.001, help="KV cache size in GiB [default: 0.25].", show_default=False)] = None,
-    max_num_batched_tokens: Annotated[int, typer.Option("--max-num-batched-tokens", min=1, help="Token budget of one engine step.")] = 256,
-    max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", min=1, help="Requests running at once at most.")] = 64,
-    prefix_caching: Annotated[bool, typer.Option("--prefix-caching/--no-prefix-caching", help="Reuse the KV of shared prompt prefixes.")] = True,
-    dynamic_split_fuse: Annotated[bool, typer.Option("--dynamic-split-fuse/--no-dynamic-split-fuse", help="Mix prompt chunks and generation in one step.")] = True,
+    num_assistant_tokens_schedule: Annotated[
+        AssistantSchedule,
+        typer.Option("--num-assistant-tokens-schedule", help=SCHEDULE_HELP),
+    ] = AssistantSchedule.adaptive,
+    markov_top_k: Annotated[Optional[int], typer.Option("--markov-top-k", min=0, help=MarkovTopKHelp, show_default=False)] = None,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="Tokens to generate per prompt at most.")] = 128,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Do not stop at the end-of-sequence token.")] = False,
+    chat: ChatOpt = None,
     temperature: TemperatureOpt = 0.0,
     top_p: TopPOpt = 1.0,
     top_k: TopKOpt = 0,
     seed: SeedOpt = None,
-    device: Annotated[str, typer.Option("--device", help="OpenVINO device.")] = "CPU",
+    device: DeviceOpt = "CPU",
     ov_config: OvConfigOpt = None,
+    kv_cache_size: KvCacheSizeOpt = DEFAULT_KV_CACHE_GIB,
+    draft_kv_cache_size: DraftKvCacheSizeOpt = None,
+    max_num_batched_tokens: MaxNumBatchedTokensOpt = 256,
+    max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", min=1, help="Requests running at once at most.")] = 64,
+    prefix_caching: PrefixCachingOpt = True,
+    dynamic_split_fuse: DynamicSplitFuseOpt = True,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
     debug: DebugOpt = False,
 ) -> None:
     """Generate text for one or many prompts with continuous batching.
 
-    One prompt streams to the terminal; many show a progress bar, then each result. With --json, one JSON line per request as it finishes (flushed at once): id, prompt, text, token ids, number of generated tokens, finish reason, TTFT and TPOT. SIGINT/SIGTERM stop the run: the running requests get a line with finish reason "abort", a last line says {"status": "interrupted", ...}, exit 130/143.
+    Data goes to stdout: one prompt's text streams there; several prompts' texts follow each other under
+    a header line. Timings, warnings and the draft's acceptance go to stderr (not with -q).
+
+    With --json: one JSON line per request as it finishes, all of one shape: id, prompt (as given),
+    text, token_ids, num_generated_tokens, finish_reason, stop_reason, error, ttft_s, tpot_s and, with
+    a draft, spec_decoding. On SIGINT/SIGTERM the running requests get their line (finish_reason
+    "abort") and the exit code is 130/143.
     """
     output = Output(json_mode=json_output, quiet=quiet)
     run = _Run(output)
     with handled_errors(output, debug=debug):
-        from dflash.core.engine import EngineConfig, LLMEngine
+        from dflash.core.engine import LLMEngine
         from dflash.core.errors import InputError
         from dflash.core.prompts import read_prompts_file
 
-        properties = parse_ov_config(ov_config)  # usage errors first, before any folder is read
-        target_dir, draft, prompts = _resolve_models(target_dir, draft, prompts, default_draft, output)
-        all_prompts = list(prompts or []) + (read_prompts_file(prompts_file) if prompts_file else [])
-        if not all_prompts:
-            raise InputError("no prompts given", "pass PROMPT arguments or --prompts-file FILE")
-        _check_prompt_lengths(all_prompts, target_dir)
+        # Everything a user can get wrong is checked before the first-use export or any loading.
+        config = engine_config(
+            device=device, ov_config=ov_config, kv_cache_size=kv_cache_size, draft_kv_cache_size=draft_kv_cache_size,
+            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, prefix_caching=prefix_caching,
+            dynamic_split_fuse=dynamic_split_fuse, markov_top_k=markov_top_k,
+        )  # fmt: skip
         params = sampling_params(
             temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_new_tokens=max_new_tokens,
             ignore_eos=ignore_eos, num_assistant_tokens=num_assistant_tokens,
             num_assistant_tokens_schedule=num_assistant_tokens_schedule.value,
         )  # fmt: skip
-        config = EngineConfig(
-            device=device,
-            ov_config=properties,
-            kv_cache_size_gib=kv_cache_size,
-            enable_prefix_caching=prefix_caching,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs,
-            dynamic_split_fuse=dynamic_split_fuse,
-            draft_kv_cache_size_gib=draft_kv_cache_size or kv_cache_size,
-            markov_head_top_k=markov_top_k,
-        )
+        target_dir, prompts = _split_target_and_prompts(target_dir, prompts)
+        all_prompts = prompts + (read_prompts_file(prompts_file) if prompts_file else [])
+        if not all_prompts:
+            raise InputError("no prompts given", "pass PROMPT arguments or --prompts-file FILE")
+        with_draft = num_assistant_tokens != 0
+        if not with_draft and draft is not None:
+            output.info("[dim]--num-assistant-tokens 0: the target alone; the draft is not loaded[/dim]")
+        target_dir, draft = _resolve_models(target_dir, draft if with_draft else None, default_draft.value, with_draft, output)
+        _check_prompt_lengths(all_prompts, target_dir)
         with output.status(f"Loading {target_dir}" + (f" with draft {draft}" if draft else "")):
             engine = LLMEngine(target_dir, config, draft_dir=draft)
         use_chat = chat if chat is not None else bool(getattr(engine.tokenizer, "chat_template", None))
@@ -164,7 +165,7 @@ class _Run:
         self.num_requests = 0
         self.num_finished = 0
         self.num_failed = 0
-        self.order: dict[str, int] = {}
+        self.prompts: dict[str, object] = {}  # request id -> the prompt as the user gave it, in order
         self._held: list = []
 
     def add(self, result) -> None:
@@ -176,32 +177,51 @@ class _Run:
             self._held.append(result)
             return
         with interrupts.deferred():
-            sys.stdout.write(_json_line(result.to_json()))
+            sys.stdout.write(_json_line(self._record(result)))
             sys.stdout.flush()
             if result.error:  # stdout is for data: the failure is said on stderr too
                 self.output.error(escape(f"{result.req_id}: {result.error}"))
 
-    def close(self, engine, *, interrupted: bool) -> None:
-        """Print what was held, the warnings and the acceptance summary; with --json after an
-        interrupt, a last line {"status": "interrupted", "signal": ...}."""
-        import signal
+    def _record(self, result) -> dict:
+        """A result's JSON line: the same keys for every request (spec_decoding null without a draft
+        step), the prompt as the user gave it (not the chat-templated text)."""
+        record = result.to_json()
+        return {**record, "prompt": self.prompts.get(result.req_id, result.prompt), "spec_decoding": record.get("spec_decoding")}
 
+    def close(self, engine, *, interrupted: bool) -> None:
+        """Print what was held (stdout), then the warnings and the acceptance summary (stderr)."""
         from dflash.exporters import interrupts
 
         with interrupts.deferred():
-            self._held.sort(key=lambda result: self.order.get(result.req_id, len(self.order)))
-            _print_results(self._held, self.output, streamed=self.streamed)
+            order = list(self.prompts)
+            self._held.sort(key=lambda result: order.index(result.req_id) if result.req_id in order else len(order))
+            for result in self._held:
+                self._print(result)
+            sys.stdout.flush()
             for warning in engine.warnings:
                 self.output.warning(warning)
             if engine.has_draft:
                 _print_acceptance(engine, self.output)
-            if interrupted and self.output.json_mode:
-                signum = interrupts.interrupted_by() or signal.SIGINT
-                sys.stdout.write(_json_line({
-                    "status": "interrupted", "signal": signal.Signals(signum).name,
-                    "num_requests": self.num_requests, "num_finished": self.num_finished,
-                }))  # fmt: skip
-            sys.stdout.flush()
+            if interrupted and self.num_requests > 1:  # said even with -q/--json: the run did not complete
+                aborted = ' (the others\' lines have finish_reason "abort")' if self.output.json_mode else ""
+                self.output.err.print(f"{self.num_finished} of {self.num_requests} requests finished before the interrupt{aborted}",
+                                      markup=False)
+
+    def _print(self, result) -> None:
+        """One result: its text on stdout (under a header line when there are several), figures on stderr."""
+        if result.error:
+            self.output.error(escape(f"{result.req_id}: {result.error}"))
+            return
+        if not self.streamed:
+            prompt = _one_line(_prompt_text(self.prompts.get(result.req_id, result.prompt)))
+            self.output.data(f"[bold]── {escape(result.req_id)}[/bold] [dim]{escape(prompt)}[/dim]")
+            self.output.out.print(result.text, markup=False, highlight=False)
+        self.output.info(
+            f"[dim]{result.req_id}: {result.num_generated_tokens} tokens, {result.finish_reason}"
+            + (f", TTFT {result.ttft_s * 1000:.0f} ms" if result.ttft_s is not None else "")
+            + (f", TPOT {result.tpot_s * 1000:.1f} ms" if result.tpot_s is not None else "")
+            + "[/dim]"
+        )
 
 
 # A prompt longer than this many characters per position of the model cannot fit (a token is at least
@@ -235,45 +255,51 @@ def _check_prompt_lengths(prompts: list, target_dir: Path) -> None:
             )
 
 
-def _resolve_models(target_dir, draft, prompts, default_draft, output: Output):
-    """TARGET_DIR is optional: a first argument that is not a folder is a prompt, and the models are
-    the embedded default pair (exported into the cache on first use). A first argument that looks like
-    a path (a separator, `~`, an existing file) but is no folder is an error, never a prompt. The
-    folders get the checks of cli/_preflight.py before anything loads."""
+def _split_target_and_prompts(target_dir: str | None, prompts: list[str] | None) -> tuple[Path | None, list]:
+    """TARGET_DIR is optional: a first argument that is not a folder is a prompt (the models are then the
+    embedded default pair). One that looks like a path (a separator, `~`, an existing file) but is no
+    folder is an error, never a prompt."""
     from dflash.core.errors import InputError
 
-    from ._preflight import check_draft_dir, check_target_dir, looks_like_path
+    from ._preflight import looks_like_path
 
     prompts = list(prompts or [])
-    if target_dir is not None and not Path(target_dir).is_dir():
-        if looks_like_path(target_dir):
-            what = "is a file, not a folder" if Path(target_dir).exists() else "does not exist"
-            raise InputError(
-                f"TARGET_DIR {target_dir} {what}",
-                "pass an exported target folder (dflash export); to use this text as a prompt for the "
-                "embedded default pair, put it in --prompts-file",
-            )
-        prompts.insert(0, target_dir)
-        target_dir = None
+    if target_dir is None or Path(target_dir).is_dir():
+        return (Path(target_dir) if target_dir is not None else None), prompts
+    if looks_like_path(target_dir):
+        what = "is a file, not a folder" if Path(target_dir).exists() else "does not exist"
+        raise InputError(
+            f"TARGET_DIR {target_dir} {what}",
+            "pass an exported target folder (dflash export); to use this text as a prompt for the "
+            "embedded default pair, put it in --prompts-file",
+        )
+    return None, [target_dir, *prompts]
+
+
+def _resolve_models(target_dir: Path | None, draft: Path | None, default_draft: str, with_draft: bool, output: Output):
+    """The folders to load: as given, or the embedded default pair (exported into the cache on first use;
+    its draft only `with_draft`). Given folders get the checks of cli/_preflight.py before anything loads."""
+    from ._preflight import check_draft_dir, check_target_dir
+
     if target_dir is not None:
-        target_dir = Path(target_dir)
         check_target_dir(target_dir)
         if draft is not None:
             check_draft_dir(draft, target_dir)
-        return target_dir, draft, prompts
+        return target_dir, draft
     from dflash.exporters.default_pair import ensure_default_pair
 
     with output.status("Preparing the default pair (SmolLM2-135M-Instruct)") as on_step:
-        pair = ensure_default_pair(default_draft.value, on_step=on_step)
+        pair = ensure_default_pair(default_draft if with_draft and draft is None else None, on_step=on_step)
     if draft is not None:
         check_draft_dir(draft, pair.target_dir)
-    return pair.target_dir, draft or pair.draft_dir, prompts
+    return pair.target_dir, draft or pair.draft_dir
 
 
 def _stream_one(engine, prompt, params, chat: bool, run: _Run) -> None:
     from dflash.exporters import interrupts
 
     req_id = engine.add_request(prompt, params, chat=chat)
+    run.prompts[req_id] = prompt
     try:
         while engine.has_unfinished_requests():
             with interrupts.deferred():  # a signal waits for the end of the step
@@ -295,7 +321,7 @@ def _run_many(engine, prompts, params, chat: bool, run: _Run) -> None:
 
     output = run.output
     req_ids = [engine.add_request(p, params, chat=chat) for p in prompts]
-    run.order = {req_id: i for i, req_id in enumerate(req_ids)}
+    run.prompts = dict(zip(req_ids, prompts))
     progress = Progress(
         TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         console=output.err, disable=output.quiet or not output.err.is_terminal,
@@ -321,36 +347,14 @@ def _run_many(engine, prompts, params, chat: bool, run: _Run) -> None:
             raise
 
 
-def _print_results(results: list, output: Output, *, streamed: bool) -> None:
-    for result in results:
-        if output.json_mode:
-            sys.stdout.write(_json_line(result.to_json()))
-            continue
-        if result.error:
-            output.error(escape(f"{result.req_id}: {result.error}"))
-            continue
-        if not streamed:
-            output.data(f"[bold]── {escape(result.req_id)}[/bold] [dim]{escape(_one_line(result.prompt))}[/dim]")
-            output.out.print(result.text, markup=False, highlight=False)
-        output.info(
-            f"[dim]{result.req_id}: {result.num_generated_tokens} tokens, {result.finish_reason}"
-            + (f", TTFT {result.ttft_s * 1000:.0f} ms" if result.ttft_s is not None else "")
-            + (f", TPOT {result.tpot_s * 1000:.1f} ms" if result.tpot_s is not None else "")
-            + "[/dim]"
-        )
-
-
 def _print_acceptance(engine, output: Output) -> None:
-    """The acceptance summary: after the results, or as a last JSON line with --json."""
+    """The draft's acceptance over the run, on stderr (every --json line carries its request's own)."""
     stats = engine.spec_stats
-    if output.json_mode:
-        sys.stdout.write(_json_line({"spec_decoding": stats.to_json(), "times": engine.times.to_json()}))
-        return
     if not stats.num_drafts:
-        output.info("no draft step ran (no greedy request drafted)")
+        output.info("[dim]draft: no draft step ran (every request was sampled or drafted nothing)[/dim]")
         return
     by_position = " ".join(f"{rate:.2f}" for rate in stats.acceptance_by_position)
-    output.data(
+    output.info(
         f"draft: {stats.num_drafts} steps, {stats.num_accepted_tokens}/{stats.num_draft_tokens} candidates accepted "
         f"({stats.acceptance_rate:.1%}), mean accepted length {stats.mean_accepted_length:.2f}\n"
         f"acceptance by position: {by_position}"
@@ -361,6 +365,14 @@ def _json_line(data: dict) -> str:
     import json
 
     return json.dumps(data, ensure_ascii=False) + "\n"
+
+
+def _prompt_text(prompt) -> str:
+    """A prompt as the user gave it: a string, or a conversation (the last message's content)."""
+    if isinstance(prompt, str) or prompt is None:
+        return prompt or ""
+    messages = [m for m in prompt if isinstance(m, dict)]
+    return str(messages[-1].get("content", "")) if messages else ""
 
 
 def _one_line(prompt: str | None, width: int = 60) -> str:

@@ -35,8 +35,8 @@ _DRAFT_VERSION = 2
 @dataclass(frozen=True)
 class DefaultPair:
     target_dir: Path
-    draft_dir: Path
-    kind: str
+    draft_dir: Path | None  # None: the target alone was asked for
+    kind: str | None
 
 
 def cache_dir() -> Path:
@@ -49,15 +49,18 @@ def cache_dir() -> Path:
     return Path(user_cache_dir("dflash"))
 
 
-def ensure_default_pair(kind: str = "dflash", *, on_step: Callable[[str], None] | None = None) -> DefaultPair:
-    """The exported default target and draft of `kind` ("dflash" or "dspark"), exporting them if needed."""
+def ensure_default_pair(kind: str | None = "dflash", *, on_step: Callable[[str], None] | None = None) -> DefaultPair:
+    """The exported default target and draft of `kind` ("dflash" or "dspark"; None: the target alone),
+    exporting them if needed."""
     from dflash.core.errors import InputError
 
-    if kind not in DRAFTS:
+    if kind is not None and kind not in DRAFTS:
         raise InputError(f"unknown default draft {kind!r}", f"choose one of {', '.join(DRAFTS)}")
     step = on_step or (lambda message: None)
     root = cache_dir() / "default"
     target_dir = _ensure(root / f"{TARGET_NAME}-{TARGET_WEIGHT_FORMAT}", lambda out: _export_target(out, step), step)
+    if kind is None:
+        return DefaultPair(target_dir, None, None)
     source = DRAFTS_DIR / DRAFTS[kind]
     draft_dir = _ensure(
         root / f"{DRAFTS[kind]}-{DRAFT_WEIGHT_FORMAT}-{_fingerprint(source)}",  # a new draft, a new folder

@@ -60,7 +60,7 @@ def run_cli(pair, prompts_file, tmp_path, *extra: str):
     target, draft = pair
     json_file = tmp_path / "bench.json"
     args = [str(target), "--draft", str(draft), "--dataset", str(prompts_file), "--max-new-tokens", str(NEW_TOKENS),
-            "--warmup", "1", "--json", str(json_file), *F32_ARGS, *extra]  # fmt: skip
+            "--warmup", "1", "--json-file", str(json_file), *F32_ARGS, *extra]  # fmt: skip
     result = runner.invoke(app, args)
     data = json.loads(json_file.read_text()) if json_file.exists() else None
     return result, data
