@@ -419,29 +419,58 @@ def _write_json(report, path: Path) -> None:
 
 
 def plot_report(report, path: Path) -> None:
-    """Two panels: acceptance by draft position per setting, and tokens/s vs concurrency."""
+    """Three panels under a title naming the models and the date: acceptance by draft position per
+    setting, tokens/s vs concurrency (one line per setting, the baseline included), and the speedup
+    over the baseline vs concurrency. Concurrency ticks are the measured values only."""
+    import datetime
+
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for s in report.speculative:
+    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(16, 4.8))
+    markers = "osD^vP*X"
+    for i, s in enumerate(report.speculative):
         rates = (s.spec or {}).get("acceptance_by_position") or []
-        if rates:
-            left.plot(range(1, len(rates) + 1), rates, marker="o", label=s.name)
+        if rates:  # settings at several concurrencies overlap: dashed lines and their own markers keep each visible
+            left.plot(range(1, len(rates) + 1), rates, marker=markers[i % len(markers)], linestyle="--" if i % 2 else "-",
+                      alpha=0.85, label=s.name)  # fmt: skip
     left.set(title="acceptance by draft position", xlabel="draft position", ylabel="acceptance", ylim=(0, 1.05))
     if left.lines:
         left.legend(fontsize="small")
-    series: dict[str, list[tuple[int, float]]] = {}
+        left.xaxis.get_major_locator().set_params(integer=True)
+    series: dict[str, list] = {}
     for s in report.settings:
         key = "baseline" if s.kind == "baseline" else s.name.replace(f" c={s.concurrency}", "")  # one line per k/top-k
-        series.setdefault(key, []).append((s.concurrency, s.tokens_per_s))
-    for label, points in series.items():
-        points.sort()
-        right.plot([c for c, _ in points], [t for _, t in points], marker="o", label=label)
-    right.set(title="throughput vs concurrency", xlabel="concurrency", ylabel="tokens/s")
-    right.legend(fontsize="small")
+        series.setdefault(key, []).append(s)
+    for label, settings in series.items():
+        settings.sort(key=lambda s: s.concurrency)
+        concurrency = [s.concurrency for s in settings]
+        middle.plot(concurrency, [s.tokens_per_s for s in settings], marker="o", label=label,
+                    color="black" if label == "baseline" else None)  # fmt: skip
+        if label != "baseline" and any(s.speedup is not None for s in settings):
+            measured = [s for s in settings if s.speedup is not None]
+            speedups = [s.speedup for s in measured]
+            low = [s.speedup - (s.speedup_range or [s.speedup])[0] for s in measured]
+            high = [(s.speedup_range or [0, s.speedup])[1] - s.speedup for s in measured]
+            right.errorbar([s.concurrency for s in measured], speedups, yerr=[low, high], marker="o", capsize=3, label=label)
+    concurrencies = sorted({s.concurrency for s in report.settings})
+    for axis in (middle, right):
+        if len(concurrencies) > 2 and concurrencies[-1] / concurrencies[0] >= 8:
+            axis.set_xscale("log", base=2)
+        axis.set_xticks(concurrencies, [str(c) for c in concurrencies])
+        axis.minorticks_off()
+    middle.set(title="throughput vs concurrency", xlabel="concurrency (requests in flight)", ylabel="tokens/s")
+    middle.legend(fontsize="small")
+    right.axhline(1.0, color="grey", linewidth=1, linestyle=":")
+    right.set(title="speedup over the target alone", xlabel="concurrency (requests in flight)", ylabel="speedup (x)")
+    if right.lines:
+        right.legend(fontsize="small")
+    env = report.environment or {}
+    models = " + ".join(Path(env[key]).name for key in ("target_dir", "draft_dir") if env.get(key))
+    precision = "f32" if report.exact else "bf16"
+    fig.suptitle(f"{models}  ({precision}, {env.get('cpu_model') or 'CPU'}, {datetime.date.today().isoformat()})", fontsize="medium")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

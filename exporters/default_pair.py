@@ -88,9 +88,12 @@ def _ensure(folder: Path, export: Callable[[Path], None], step: Callable[[str], 
     if stamp.is_file() and json.loads(stamp.read_text()).get("version") == version:
         return folder
     step(f"First use: exporting {folder.name} into {folder.parent} (once)")
+    from .staging import quiet_libraries
+
     partial = folder.with_name(folder.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
-    export(partial)
+    with quiet_libraries():  # dflash's steps only, no other library's lines
+        export(partial)
     (partial / _STAMP).write_text(json.dumps({"version": version}))
     shutil.rmtree(folder, ignore_errors=True)
     partial.rename(folder)

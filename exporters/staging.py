@@ -22,7 +22,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from pathlib import Path
 
 from dflash.core.errors import InputError
@@ -231,3 +231,39 @@ def saving(output_dir: Path) -> Iterator[None]:
             f"cannot write the export beside {output_dir}: {lines[-1] if lines else type(exc).__name__}",
             f"check the folder's permissions and free space; {_unchanged(output_dir)}",
         ) from exc
+
+
+# Libraries whose loggers chatter during an export (deprecation notes, CUDA probes, bit-width tables).
+_CHATTY_LOGGERS = ("transformers", "torch", "optimum", "nncf", "accelerate", "huggingface_hub")
+
+
+@contextmanager
+def quiet_libraries() -> Iterator[None]:
+    """Other libraries' output during an export is dropped: progress bars (tqdm, rich), deprecation
+    notes, TracerWarnings, torch's CUDA probe. dflash's own progress (on_step callbacks write to the
+    CLI's stderr console, bound before this) and its own warnings still show; failures still raise.
+    DFLASH_DEBUG=1 keeps everything."""
+    import io
+    import logging
+    import sys
+    import warnings
+
+    if os.environ.get("DFLASH_DEBUG", "") not in ("", "0", "false", "False"):
+        yield
+        return
+    loggers = [logging.getLogger(name) for name in _CHATTY_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    sink, stderr = io.StringIO(), sys.stderr
+    try:
+        for logger in loggers:
+            logger.setLevel(logging.ERROR)
+        with warnings.catch_warnings(), redirect_stdout(sink), redirect_stderr(sink):
+            warnings.simplefilter("ignore")
+            warnings.filterwarnings("default", module=r"dflash(\.|$)")  # dflash's own warnings still show
+            warnings.showwarning = lambda message, category, filename, lineno, file=None, line=None: stderr.write(
+                warnings.formatwarning(message, category, filename, lineno, line)
+            )
+            yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)

@@ -242,3 +242,35 @@ def test_bench_json_prints_the_report_alone_on_stdout(pair, tmp_path):
     assert report["status"] == "complete"
     assert report["options"]["sampling"] == {"temperature": 0.5, "top_p": 1.0, "top_k": 0, "seed": 3}
     assert report["options"]["greedy"] is False
+
+
+# ---- the first-use export is quiet ----------------------------------------------------------------------------
+
+
+def test_quiet_libraries_drops_other_libraries_output_but_not_dflashs(capsys):
+    import logging
+    import sys
+    import warnings
+
+    from tqdm.auto import tqdm
+
+    from dflash.exporters.staging import quiet_libraries
+
+    ours = sys.stderr  # the CLI's console is bound to stderr before the export starts
+    level = logging.getLogger("transformers").level
+    with quiet_libraries():
+        logging.getLogger("transformers.modeling_utils").warning("`torch_dtype` is deprecated! Use `dtype` instead!")
+        logging.getLogger("torch.utils.cpp_extension").warning("No CUDA runtime is found")
+        warnings.warn_explicit("Converting a tensor to a Python boolean", UserWarning, "cache_utils.py", 131, module="transformers.cache_utils")
+        for _ in tqdm(range(3), desc="Converting and de-quantizing GGUF tensors"):
+            pass
+        print("Applying Weight Compression")
+        ours.write("  Compressing weights (int8)\n")
+        warnings.warn_explicit("openvino_tokenizer.xml was not written", UserWarning, "target.py", 243, module="dflash.exporters.target")
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "  Compressing weights (int8)\n" in captured.err
+    assert "openvino_tokenizer.xml was not written" in captured.err
+    for noise in ("torch_dtype", "CUDA", "Python boolean", "GGUF", "Weight Compression"):
+        assert noise not in captured.err
+    assert logging.getLogger("transformers").level == level  # restored
