@@ -131,7 +131,7 @@ def engine_config(*, device: str, ov_config: list[str] | None, kv_cache_size: fl
 
 TemperatureOpt = Annotated[
     float,
-    typer.Option("--temperature", min=0.0, help="0: greedy; above 0: sample at this temperature (with a draft: speculative sampling)."),
+    typer.Option("--temperature", min=0.0, help="0: greedy; above 0: sample at this temperature."),
 ]
 TopPOpt = Annotated[
     float, typer.Option("--top-p", min=0.01, max=1.0, help="Sample from the smallest set of tokens holding this probability mass.")

@@ -389,9 +389,10 @@ def _print_tables(report, output: Output) -> None:
 
 _AGREEMENT = {
     True: "f32 inference: every output must equal the baseline's.",
-    False: "bf16 inference (the CPU default): a row's logits depend on how many rows share the step, so a near-tie "
-    "can flip a token and outputs can part from the baseline's; with --ov-config INFERENCE_PRECISION_HINT=f32 "
-    "--ov-config KV_CACHE_PRECISION=f32 they are identical.",
+    False: "bf16 inference (the CPU default): outputs can part from the baseline's at a near-tie, from the first "
+    "token on, because the target compiled with the hidden-state outputs the draft reads is a slightly different "
+    "bf16 program than the target alone, and a row's bf16 logits depend on how many rows share a step; with "
+    "--ov-config INFERENCE_PRECISION_HINT=f32 --ov-config KV_CACHE_PRECISION=f32 they are identical.",
 }
 
 
