@@ -20,10 +20,9 @@ from .errors import InputError
 from .graph import HIDDEN_STATES_OUTPUT, SAMPLED_ROWS_INPUT, add_hidden_states_output, insert_logits_gather
 from .paged import (
     KVCacheLayout,
-    RequestInputs,
+    RequestTensors,
     SequenceSlice,
     allocate_kv_caches,
-    concatenated_ranges,
     pack_paged_inputs,
     packed_positions,
     read_kv_cache_layout,
@@ -57,18 +56,19 @@ def pack_target_rows(scheduled: Sequence[tuple], block_table: Callable[[str], li
     scheduled: (ScheduledRequest, Request) pairs; a request's rows are its committed tokens and then
     its candidates from `num_computed_tokens_before` on, and the last `num_sampled_rows` of them sample.
     """
-    seqs, token_ids = [], []
+    seqs, token_ids, sample_rows = [], [], []
     for s, request in scheduled:
         start = s.num_computed_tokens_before
+        first_row = len(token_ids)
+        token_ids.extend(request.token_ids_with_spec(start, start + s.num_new_tokens))
+        if s.samples:
+            last_row = first_row + s.num_new_tokens
+            sample_rows.extend(range(last_row - s.num_sampled_rows, last_row))
         seqs.append(SequenceSlice(start, s.num_new_tokens, block_table(s.req_id)))
-        token_ids += request.token_ids_with_spec(start, start + s.num_new_tokens)
-    row_ends = np.cumsum([s.num_new_tokens for s, _ in scheduled])
-    num_sampled = np.array([s.num_sampled_rows for s, _ in scheduled])
-    sample_rows = concatenated_ranges(row_ends - num_sampled, num_sampled)  # the last rows of each request
     return StepInputs(
         seqs=seqs,
-        token_ids=np.array(token_ids, dtype=np.int64),  # [num_tokens]
-        sample_rows=sample_rows,  # [num_sampled] i64
+        token_ids=np.asarray(token_ids, dtype=np.int64),  # [num_tokens]
+        sample_rows=np.asarray(sample_rows, dtype=np.int64),  # [num_sampled]
     )
 
 
@@ -82,8 +82,8 @@ def read_ov_model(model_dir: str | Path) -> ov.Model:
 class PagedModel:
     """A compiled PagedAttention model, its KV caches and one infer request (shared by both runners).
 
-    Every call writes its inputs into the request's own tensors (`RequestInputs`) and runs infer()
-    with no arguments; `infer_seconds` adds up the time spent inside infer() alone.
+    Every call writes its inputs into the request's own tensors and reads its outputs from them
+    (`RequestTensors`); `infer_seconds` adds up the time spent in the inferences alone.
     """
 
     def __init__(self, model: ov.Model, *, device: str, ov_config: dict[str, str] | None):
@@ -93,7 +93,7 @@ class PagedModel:
         self.num_blocks = 0
         self.infer_seconds = 0.0
         self._request = self.compiled.create_infer_request()
-        self._inputs = RequestInputs(self._request, self.compiled)
+        self._tensors = RequestTensors(self._request, self.compiled)
 
     @property
     def bytes_per_block(self) -> int:
@@ -108,19 +108,20 @@ class PagedModel:
     def _infer(self, seqs: list[SequenceSlice], rows: dict[str, np.ndarray], sample_rows: np.ndarray) -> None:
         """One packed inference: paging inputs from `seqs`, then the per-row inputs and the sampled rows."""
         for name, values in pack_paged_inputs(seqs, self.block_size).items():
-            self._inputs.write(name, values)
-        self._inputs.write("position_ids", packed_positions(seqs))
+            self._tensors.write(name, values)
+        self._tensors.write("position_ids", packed_positions(seqs))
         for name, values in rows.items():
-            self._inputs.write(name, values)
-        self._inputs.write(SAMPLED_ROWS_INPUT, sample_rows)
+            self._tensors.write(name, values)
+        self._tensors.write(SAMPLED_ROWS_INPUT, sample_rows)
         start = time.perf_counter()
-        self._request.infer()
+        self._request.start_async()  # then wait: infer() would also copy every output into new arrays
+        self._request.wait()
         self.infer_seconds += time.perf_counter() - start
 
     def _output(self, name: str) -> np.ndarray:
         """An output as [rows, width], a view of the request's tensor (valid until the next inference).
         Spelled out because a step may sample no row at all, and reshape(0, -1) of an empty array is an error."""
-        data = self._request.get_tensor(name).data
+        data = self._tensors.read(name)
         return data.reshape(data.shape[0], data.shape[-1])
 
 

@@ -14,13 +14,12 @@ packed from several sequences ("batch = tokens"), described by five i32 inputs:
 This module does only that: the conversion (`to_paged_attention`), what it produced
 (`PagedModelInfo`), the cache layout a compiled model asks for (`read_kv_cache_layout`,
 `allocate_kv_caches`) and the packing of those inputs (`pack_paged_inputs`, `fit_to_input`) into an
-infer request's own tensors (`RequestInputs`).
+infer request's own tensors (`RequestTensors`).
 Which rows run, and which blocks they own, is the engine's business.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -361,50 +360,32 @@ def pack_paged_inputs(seqs: list[SequenceSlice], block_size: int) -> dict[str, n
     """Build the five paging inputs (all i32) for sequences whose new rows are packed in this order."""
     if not seqs:
         raise ValueError("a PagedAttention call needs at least one sequence")
-    past_lens = np.array([s.past_len for s in seqs], dtype=np.int32)  # [num_seqs]
-    num_new_rows = np.array([s.num_new_rows for s in seqs], dtype=np.int32)  # [num_seqs]
-    ends = past_lens + num_new_rows
-    num_blocks = -(-ends // block_size)  # [num_seqs] blocks each sequence's rows touch
-    table_lens = np.array([len(s.block_table) for s in seqs])
-    bad = (num_new_rows <= 0) | (past_lens < 0) | (table_lens < num_blocks)
-    if bad.any():
-        _raise_bad_slice(seqs[int(bad.argmax())], block_size)
-    block_indices = [block for seq, needed in zip(seqs, num_blocks.tolist()) for block in seq.block_table[:needed]]
+    past_lens, row_begins, block_indices, block_begins = [], [0], [], [0]
+    for seq in seqs:
+        if seq.num_new_rows <= 0 or seq.past_len < 0:
+            raise ValueError(f"bad sequence slice {seq}: needs past_len >= 0 and num_new_rows > 0")
+        needed = seq.num_blocks(block_size)
+        if len(seq.block_table) < needed:
+            raise ValueError(
+                f"block table of {len(seq.block_table)} blocks cannot hold "
+                f"{seq.past_len + seq.num_new_rows} rows of block size {block_size}"
+            )
+        past_lens.append(seq.past_len)
+        row_begins.append(row_begins[-1] + seq.num_new_rows)
+        block_indices.extend(seq.block_table[:needed])
+        block_begins.append(len(block_indices))
     return {
-        "past_lens": past_lens,  # [num_seqs]
-        "subsequence_begins": _begins(num_new_rows),  # [num_seqs + 1]
+        "past_lens": np.array(past_lens, dtype=np.int32),  # [num_seqs]
+        "subsequence_begins": np.array(row_begins, dtype=np.int32),  # [num_seqs + 1]
         "block_indices": np.array(block_indices, dtype=np.int32),  # [num_blocks_used]
-        "block_indices_begins": _begins(num_blocks),  # [num_seqs + 1]
-        "max_context_len": np.array(ends.max(), dtype=np.int32),  # []
+        "block_indices_begins": np.array(block_begins, dtype=np.int32),  # [num_seqs + 1]
+        "max_context_len": np.array(max(s.past_len + s.num_new_rows for s in seqs), dtype=np.int32),  # []
     }
 
 
 def packed_positions(seqs: list[SequenceSlice]) -> np.ndarray:
     """Absolute positions of the packed rows, past_len onward per sequence. # [num_tokens] i64"""
-    return concatenated_ranges([s.past_len for s in seqs], [s.num_new_rows for s in seqs])
-
-
-def concatenated_ranges(starts: Sequence[int] | np.ndarray, counts: Sequence[int] | np.ndarray) -> np.ndarray:
-    """range(starts[0], starts[0] + counts[0]), then range(starts[1], ...), ... as one array. # i64"""
-    starts, counts = np.asarray(starts, dtype=np.int64), np.asarray(counts, dtype=np.int64)
-    first_index = np.cumsum(counts) - counts  # where each range begins in the result
-    return np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(starts - first_index, counts)
-
-
-def _raise_bad_slice(seq: SequenceSlice, block_size: int) -> None:
-    if seq.num_new_rows <= 0 or seq.past_len < 0:
-        raise ValueError(f"bad sequence slice {seq}: needs past_len >= 0 and num_new_rows > 0")
-    raise ValueError(
-        f"block table of {len(seq.block_table)} blocks cannot hold "
-        f"{seq.past_len + seq.num_new_rows} rows of block size {block_size}"
-    )
-
-
-def _begins(counts: np.ndarray) -> np.ndarray:
-    """[0, c0, c0 + c1, ...]: where each group starts in the packed order, then the end. # i32"""
-    begins = np.zeros(len(counts) + 1, dtype=np.int32)
-    np.cumsum(counts, out=begins[1:])
-    return begins
+    return np.array([p for s in seqs for p in range(s.past_len, s.past_len + s.num_new_rows)], dtype=np.int64)
 
 
 def fit_to_input(port: ov.ConstOutput | ov.Output, rows: np.ndarray) -> np.ndarray:
@@ -436,26 +417,41 @@ def _fit_rank(rows: np.ndarray, rank: int) -> np.ndarray | None:
     return shaped
 
 
-class RequestInputs:
-    """An infer request's own input tensors, reshaped and filled in place for every call.
+class RequestTensors:
+    """An infer request's own tensors: inputs reshaped and filled in place, outputs read in place.
 
     Handing infer() fresh numpy arrays makes OpenVINO convert and bind each of them on every call,
     which costs more than packing them; the request's own tensors keep their memory from call to
     call (it grows when a call needs more), so a call only sets each shape and copies the values in.
     Values are fitted to each input's rank and cast to its element type as `fit_to_input` does.
+    The tensor objects are looked up once: the plugin resizes them in place (a lookup by name scans
+    every port, the caches included, and costs more than the packing). An input whose shape did not
+    change since the previous call is written through the numpy view of that call.
     """
 
     def __init__(self, request: ov.InferRequest, compiled: ov.CompiledModel):
         self._request = request
         self._ranks = {port.get_any_name(): port.get_partial_shape().rank.get_length() for port in compiled.inputs}
         self._tensors: dict[str, ov.Tensor] = {}
+        self._input_views: dict[str, np.ndarray] = {}  # each input's memory as of its latest shape
 
-    def write(self, name: str, values: np.ndarray) -> None:
+    def _tensor(self, name: str) -> ov.Tensor:
         tensor = self._tensors.get(name)
         if tensor is None:
             tensor = self._tensors[name] = self._request.get_tensor(name)
+        return tensor
+
+    def write(self, name: str, values: np.ndarray) -> None:
         shaped = _fit_rank(values, self._ranks[name])
         if shaped is None:
             raise ValueError(f"cannot fit rows of shape {values.shape} to {name} of rank {self._ranks[name]}")
-        tensor.shape = shaped.shape
-        tensor.data[...] = shaped
+        view = self._input_views.get(name)
+        if view is None or view.shape != shaped.shape:  # a new shape may move the tensor's memory
+            tensor = self._tensor(name)
+            tensor.shape = shaped.shape
+            view = self._input_views[name] = tensor.data
+        view[...] = shaped
+
+    def read(self, name: str) -> np.ndarray:
+        """An output of the latest inference, as a view (valid until the next inference)."""
+        return self._tensor(name).data

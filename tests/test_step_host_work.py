@@ -1,9 +1,9 @@
 """The host side of a step, made cheap without changing what it computes (issue 14).
 
-- The runners write their inputs into the infer request's own tensors (`RequestInputs`), reshaped
-  each call: logits must stay transformers' own while the packed batch grows, shrinks, samples no
-  row at all, and changes its number of sequences from call to call.
-- Packing is vectorized over requests (`concatenated_ranges`): checked against Python's range.
+- The runners write their inputs into the infer request's own tensors and read the outputs from
+  them (`RequestTensors`), reshaped each call: logits must stay transformers' own while the packed
+  batch grows, shrinks, samples no row at all, and changes its number of sequences from call to call.
+- Packing puts each request's sampled rows last among its rows.
 - Text is decoded only when read: outputs read late, or never, still add up to each result's text,
   which is the tokenizer's own decode of the tokens (transformers).
 """
@@ -17,7 +17,7 @@ import torch
 from dflash.core.config import EXACT_OV_CONFIG, SamplingParams
 from dflash.core.engine import EngineConfig, LLMEngine
 from dflash.core.model_runner import StepInputs, TargetRunner, pack_target_rows
-from dflash.core.paged import SequenceSlice, concatenated_ranges
+from dflash.core.paged import SequenceSlice
 from dflash.core.request import Request
 from dflash.core.scheduler import ScheduledRequest
 
@@ -70,16 +70,6 @@ def test_reused_input_tensors_give_transformers_logits_across_changing_shapes(ru
         assert out.logits.shape == (len(sample_rows), reference["a"][1].shape[1])
         np.testing.assert_allclose(out.logits, np.concatenate(expected), atol=2e-5, rtol=0)
     assert runner.infer_seconds > 0
-
-
-def test_concatenated_ranges_equal_pythons_ranges():
-    rng = np.random.default_rng(3)
-    for _ in range(20):
-        starts = rng.integers(0, 100, 6).tolist()
-        counts = rng.integers(0, 5, 6).tolist()
-        expected = [i for start, count in zip(starts, counts) for i in range(start, start + count)]
-        assert concatenated_ranges(starts, counts).tolist() == expected
-    assert concatenated_ranges([], []).tolist() == []
 
 
 def test_packed_rows_sample_the_last_rows_of_each_request():
