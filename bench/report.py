@@ -58,6 +58,8 @@ class SettingResult:
     rounds: int = 1  # runs of every prompt; figures are over all of them
     speedup_range: list[float] | None = None  # [min, max] of the per-round speedups
     errors: list[str] = field(default_factory=list)  # requests that finished with an error
+    sampled: bool = False  # with the sweep's sampling params (temperature > 0); else greedy
+    draft_proposals: str | None = None  # sampled speculative settings: "argmax" or "sampled"
     token_ids: list[list[int]] = field(default_factory=list, repr=False)  # per prompt (not in the JSON)
 
     def to_json(self) -> dict:

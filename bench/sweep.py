@@ -15,8 +15,12 @@ One sweep:
 
 Every request ignores EOS, so each generates exactly max_new_tokens (a stop can only come from the
 model's length limit) and every setting does the same work. Requests are greedy unless
-`options.sampling` sets a temperature; sampled outputs are not compared with the baseline's. Concurrency c keeps at most
-c requests in the engine: a new one is added as soon as one finishes.
+`options.sampling` sets a temperature. Under sampling the greedy settings run too (`greedy_reference`),
+so acceptance under sampling is reported next to greedy's, and `draft_proposals` sweeps how the draft
+proposes ("argmax" or "sampled": core/verification.py) on the same engines. With a seed and argmax
+proposals a sampled output is the target alone's own draws, so it is compared with the baseline's like
+a greedy one; sampled proposals give the same distribution but other draws, and are not compared. Concurrency c keeps at
+most c requests in the engine: a new one is added as soon as one finishes.
 
 With f32 inference (INFERENCE_PRECISION_HINT=f32; the engine then also turns off dynamic quantization of
 activations, see config.compile_properties) outputs do not depend on batch composition, so any
@@ -40,7 +44,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from dflash.core.config import SamplingParams, is_exact_inference
+from dflash.core.config import DRAFT_PROPOSALS, SamplingParams, is_exact_inference
 from dflash.core.errors import InputError
 from dflash.core.metrics import SpecDecodingStats, StepTimes
 from dflash.core.tokenization import Prompt, tokenize_prompt
@@ -69,6 +73,8 @@ class BenchOptions:
     dataset: str | None = None  # where the prompts came from, for the report
     # temperature, top_p, top_k and seed of every request (the default: greedy); the other fields are the sweep's
     sampling: SamplingParams = SamplingParams()
+    greedy_reference: bool = True  # under sampling, run every setting greedy too (acceptance side by side)
+    draft_proposals: Sequence[str | None] = (None,)  # under sampling: "argmax", "sampled"; None = the engine's default
 
 
 class BenchProgress:
@@ -117,6 +123,9 @@ def _check_options(options: BenchOptions) -> None:
         raise InputError("--max-new-tokens must be >= 1", "e.g. --max-new-tokens 128")
     if options.rounds < 1:
         raise InputError("--rounds must be >= 1", "e.g. --rounds 3")
+    for proposals in options.draft_proposals:
+        if proposals is not None and proposals not in DRAFT_PROPOSALS:
+            raise InputError(f"unknown draft proposals {proposals!r}", f"choose from {', '.join(DRAFT_PROPOSALS)}")
 
 
 @dataclass(frozen=True)
@@ -128,15 +137,19 @@ class _Setting:
     num_assistant_tokens: int | None = None
     top_k: int | None = None  # the engine: markov_head_top_k
     schedule: str | None = None
+    sampled: bool = False  # with the sweep's sampling params (else greedy)
+    proposals: str | None = None  # sampled speculative settings: the draft's proposals (None: the engine's default)
 
     @property
     def name(self) -> str:
+        mode = " sampled" if self.sampled else ""
         if self.kind == "baseline":
-            return f"baseline c={self.concurrency}"
+            return f"baseline c={self.concurrency}{mode}"
         k = "auto" if self.num_assistant_tokens is None else self.num_assistant_tokens
         name = f"spec c={self.concurrency} k={k}"
         name += f" {self.schedule}" if self.schedule not in (None, "adaptive") else ""
-        return name + (f" topk={self.top_k}" if self.top_k is not None else "")
+        name += f" topk={self.top_k}" if self.top_k is not None else ""
+        return name + mode + (f" q={self.proposals}" if self.sampled and self.proposals is not None else "")
 
 
 @dataclass
@@ -162,23 +175,40 @@ def _sweep(options: BenchOptions, config, report: BenchReport, progress: BenchPr
     runs: dict[_Setting, list[_SettingRun]] = {}
     ratios: dict[_Setting, list[float]] = {}
     for round_index in range(options.rounds):
-        for concurrency in options.concurrencies:
-            baseline = _Setting("baseline", concurrency) if "baseline" in engines else None
+        for concurrency, sampled in itertools.product(options.concurrencies, _sampling_modes(options)):
+            baseline = _Setting("baseline", concurrency, sampled=sampled) if "baseline" in engines else None
+            # Greedy requests never draw from the draft; sampled settings name the proposals they ran with.
+            proposals = [how or config.draft_proposals for how in options.draft_proposals] if sampled else [None]
             settings = ([baseline] if baseline else []) + [
-                _Setting("speculative", concurrency, k, top_k, schedule)
+                _Setting("speculative", concurrency, k, top_k, schedule, sampled, how)
                 for top_k in options.markov_top_ks
-                for k, schedule in itertools.product(options.num_assistant_tokens, options.schedules)
+                for k, schedule, how in itertools.product(options.num_assistant_tokens, options.schedules, proposals)
             ]
             for setting in settings:
                 engine = engines["baseline" if setting.kind == "baseline" else setting.top_k]
+                if setting.kind == "speculative":  # a plain attribute, read at each draft step
+                    engine.drafter.proposals = setting.proposals or engine.config.draft_proposals
                 runs.setdefault(setting, []).append(_run_setting(engine, token_prompts, options, setting, progress))
                 if baseline is not None and setting.kind == "speculative":
                     ratios.setdefault(setting, []).append(runs[baseline][-1].wall_s / runs[setting][-1].wall_s)
                 _publish(report, runs, ratios, setting, baseline, progress, last=round_index == options.rounds - 1,
-                         greedy=options.sampling.is_greedy)  # fmt: skip
+                         compare=_comparable(setting, options))  # fmt: skip
     for engine in engines.values():
         for warning in engine.warnings:
             progress.warning(warning)
+
+
+def _comparable(setting: _Setting, options: BenchOptions) -> bool:
+    """Whether the setting's outputs must equal the baseline's: greedy, or sampled with a seed and the
+    draft's argmax proposals (verified by the target's own draws: core/verification.py)."""
+    return not setting.sampled or (options.sampling.seed is not None and setting.proposals == "argmax")
+
+
+def _sampling_modes(options: BenchOptions) -> tuple[bool, ...]:
+    """False for the greedy settings, True for the sampled ones (with the sweep's sampling params)."""
+    if options.sampling.is_greedy:
+        return (False,)
+    return (False, True) if options.greedy_reference else (True,)
 
 
 def _load_engines(options: BenchOptions, config, progress: BenchProgress) -> dict:
@@ -196,10 +226,10 @@ def _load_engines(options: BenchOptions, config, progress: BenchProgress) -> dic
 
 
 def _publish(report: BenchReport, runs, ratios, setting: _Setting, baseline: _Setting | None, progress, *, last: bool,
-             greedy: bool = True) -> None:  # fmt: skip
+             compare: bool = True) -> None:  # fmt: skip
     """Put the setting's summary over its runs so far into the report (in place of an earlier one)."""
     result = _summarize(setting, runs[setting], ratios.get(setting, []))
-    if baseline is not None and setting.kind == "speculative" and greedy:  # samples differ from the baseline's by design
+    if baseline is not None and setting.kind == "speculative" and compare:
         result.agreement = compare_outputs([r.token_ids for r in runs[baseline][0].results], result.token_ids, report.prompts)
     names = [s.name for s in report.settings]
     if result.name in names:
@@ -229,7 +259,8 @@ def _warm_up(engine, token_prompts: list[list[int]], options: BenchOptions, prog
 def _run_setting(engine, token_prompts: list[list[int]], options: BenchOptions, setting: _Setting,
                  progress: BenchProgress) -> _SettingRun:  # fmt: skip
     """Every prompt through the engine with at most `concurrency` requests in it at once."""
-    params = replace(options.sampling, max_new_tokens=options.max_new_tokens, ignore_eos=True,
+    sampling = options.sampling if setting.sampled else SamplingParams()
+    params = replace(sampling, max_new_tokens=options.max_new_tokens, ignore_eos=True,
                      num_assistant_tokens=setting.num_assistant_tokens, num_assistant_tokens_schedule=setting.schedule or "adaptive")
     progress.setting_started(setting.name, len(token_prompts))
     times_before, stats_before = copy.copy(engine.times), copy.copy(engine.drafter.stats)
@@ -265,6 +296,8 @@ def _summarize(setting: _Setting, runs: list[_SettingRun], ratios: list[float]) 
         num_assistant_tokens=setting.num_assistant_tokens,
         num_assistant_tokens_schedule=setting.schedule,
         markov_top_k=setting.top_k,
+        sampled=setting.sampled,
+        draft_proposals=setting.proposals if speculative and setting.sampled else None,
         num_requests=len(runs[0].results),
         num_generated_tokens=num_tokens // len(runs),
         wall_s=wall_s / len(runs),
@@ -369,6 +402,8 @@ def options_json(options: BenchOptions, config) -> dict:
         "baseline": options.baseline,
         "greedy": options.sampling.is_greedy,
         "sampling": {name: getattr(options.sampling, name) for name in ("temperature", "top_p", "top_k", "seed")},
+        "greedy_reference": options.greedy_reference,
+        "draft_proposals": list(options.draft_proposals),
         "ignore_eos": True,
         "engine_config": {k: v for k, v in asdict(config).items() if k != "markov_head_top_k"},
     }

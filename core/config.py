@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 GIB = 1 << 30
 ASSISTANT_SCHEDULES = ("constant", "heuristic", "adaptive")
+DRAFT_PROPOSALS = ("argmax", "sampled")  # how a draft proposes for sampling requests (EngineConfig.draft_proposals)
 
 
 def _require_positive_int(name: str, value: object) -> None:
@@ -190,6 +191,10 @@ class EngineConfig:
         0.25 GiB). draft_kv_cache_size_gib / num_draft_kv_blocks: the draft's (default: as the target's).
     markov_head_top_k: for DSpark drafts with a Markov head, K of the Top-K candidate scorer (None: the
         export's K; 0: the dense Markov walk). use_markov_head=False runs the draft as plain DFlash.
+    draft_proposals: how the draft proposes for sampling requests (temperature > 0): "argmax" its
+        deterministic candidates (each row's argmax, or the Markov walk), "sampled" candidates drawn from
+        its distributions after the request's temperature/top-k/top-p. Both are verified by speculative
+        sampling, so both give the target's own distribution; they differ in acceptance.
     The scheduler's limits (max_num_batched_tokens, max_num_seqs, dynamic_split_fuse) are SchedulerConfig's.
     """
 
@@ -205,6 +210,7 @@ class EngineConfig:
     num_draft_kv_blocks: int | None = None
     markov_head_top_k: int | None = None
     use_markov_head: bool = True
+    draft_proposals: str = "argmax"
 
     def __post_init__(self) -> None:
         for name in ("kv_cache_size_gib", "draft_kv_cache_size_gib"):
@@ -216,6 +222,8 @@ class EngineConfig:
                 _require_positive_int(name, getattr(self, name))
         if self.markov_head_top_k is not None:
             _require_non_negative_int("markov_head_top_k", self.markov_head_top_k)
+        if self.draft_proposals not in DRAFT_PROPOSALS:
+            raise ValueError(f"draft_proposals must be one of {', '.join(DRAFT_PROPOSALS)}, got {self.draft_proposals!r}")
         self.scheduler_config(None)  # validates the scheduler's limits
 
     def scheduler_config(self, max_model_len: int | None) -> SchedulerConfig:

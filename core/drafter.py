@@ -45,7 +45,29 @@ class TargetStep:
         return not any(s.is_prefill_chunk for s, _ in self.scheduled)
 
 
-Candidates = dict[str, tuple[int, ...]]  # per request, the tokens the target verifies next step
+class Proposal(tuple):
+    """A request's candidates (a tuple of token ids) drawn from the draft's distributions under
+    sampling: `probs` [len, V] holds, per candidate, the distribution it was drawn from (after the
+    request's temperature, top-k and top-p), which speculative sampling needs. Plain tuples are the
+    draft's deterministic proposals (its argmax or Markov walk), verified greedily or, under sampling,
+    as point masses. A slice is a plain tuple of tokens."""
+
+    probs: np.ndarray
+
+    def __new__(cls, tokens, probs: np.ndarray) -> Proposal:
+        proposal = super().__new__(cls, (int(t) for t in tokens))
+        if probs.shape[0] != len(proposal):
+            raise ValueError(f"{len(proposal)} candidates but {probs.shape[0]} draft distributions")
+        proposal.probs = probs
+        return proposal
+
+
+def draft_probs(candidates: Sequence[int], num: int) -> np.ndarray | None:
+    """The distributions the first `num` sampled candidates were drawn from; None for deterministic ones."""
+    return candidates.probs[:num] if isinstance(candidates, Proposal) else None
+
+
+Candidates = dict[str, tuple[int, ...]]  # per request, the tokens the target verifies next step (or a Proposal)
 
 
 class NoDrafter:

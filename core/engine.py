@@ -9,8 +9,8 @@ One step, for every running request at once (`LLMEngine.step`):
                or [seed; candidates]
     run        one packed PagedAttention inference of the target: logits of the rows that need them,
                and (with a draft) the hidden states of every row
-    verify     greedy acceptance of the candidates plus the bonus token, or one sampled token; cut
-               at stops (core/verification.py)
+    verify     acceptance of the candidates plus the bonus token (greedy, or speculative sampling),
+               or one sampled token; cut at stops (core/verification.py)
     commit     scheduler.update_from_output(): tokens appended, KV ledger advanced (rejected rows
                not counted), full blocks published; stop rules applied (text is decoded only for
                stop strings, for an output's new_text when read, and at the end)
@@ -18,7 +18,8 @@ One step, for every running request at once (`LLMEngine.step`):
                that the next step verifies (core/drafter.py: the target alone drafts nothing)
 
 With a draft (`LLMEngine(target_dir, config, draft_dir=...)`), greedy output is the target's own,
-token for token: a candidate is committed only where it equals the target's argmax.
+token for token: a candidate is committed only where it equals the target's argmax. Sampled output is
+distributed as the target's own: candidates pass the speculative sampling rule.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import numpy as np
 
 from .config import EngineConfig, SamplingParams
 from .detokenizer import IncrementalDetokenizer
-from .drafter import Candidates, NoDrafter, TargetStep
+from .drafter import Candidates, NoDrafter, TargetStep, draft_probs
 from .errors import InputError
 from .loading import load_pipelines
 from .metrics import SpecDecodingStats, StepTimes
@@ -44,7 +45,7 @@ from .sampler import Sampler
 from .scheduler import Scheduler, SchedulerOutput
 from .stopping import StopChecker
 from .tokenization import Prompt, load_tokenizer, stop_token_ids_of, tokenize_prompt
-from .verification import Verdict, accept_greedy, cut_at_stop
+from .verification import Verdict, accept_greedy, accept_sampled, cut_at_stop
 
 __all__ = ["EngineConfig", "GenerationResult", "LLMEngine", "RequestOutput"]
 
@@ -176,10 +177,15 @@ class LLMEngine:
             rows = logits[row : row + s.num_sampled_rows]  # [1 + k, vocab]
             row += s.num_sampled_rows
             tracked = self._tracked[request.req_id]
+            params, candidates = request.sampling_params, request.spec_token_ids[: s.num_spec_tokens]
+            position = request.num_output_tokens  # of the first token this step commits: keys its draws
             if s.num_spec_tokens == 0:
-                tokens = [self.sampler.sample(request.req_id, rows[0], request.sampling_params)]
+                tokens = [self.sampler.sample(request.req_id, rows[0], params, position)]
+            elif params.is_greedy:
+                tokens = accept_greedy(candidates, rows.argmax(axis=-1))
             else:
-                tokens = accept_greedy(request.spec_token_ids[: s.num_spec_tokens], rows.argmax(axis=-1))
+                probs = draft_probs(request.spec_token_ids, s.num_spec_tokens)
+                tokens = accept_sampled(candidates, probs, rows, params, self.sampler.key(request.req_id, params), position)
             verdict = verdicts[s.req_id] = Verdict(cut_at_stop(tracked, tokens, self.tokenizer), s.num_spec_tokens)
             for stats in (tracked.spec, self.spec_stats):
                 stats.observe(verdict.num_drafted, verdict.num_accepted)

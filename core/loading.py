@@ -47,7 +47,8 @@ def load_pipelines(model_dir: Path, draft_dir: str | Path | None, config: Engine
     if draft_model is not None:
         draft_runner = DraftRunner(draft_model, model_dir, device=config.device, ov_config=config.ov_config)
         drafter = DFlashDrafter(draft_runner, _make_kv_cache(draft_runner, config, draft=True),
-                                markov=markov, markov_top_k=config.markov_head_top_k)  # fmt: skip
+                                markov=markov, markov_top_k=config.markov_head_top_k,
+                                proposals=config.draft_proposals)  # fmt: skip
     return Pipelines(runner, kv_cache_manager, drafter, model_config)
 
 

@@ -18,6 +18,12 @@ Two ways to compute that walk (docs/draft-format.md has the head's I/O):
 A position whose previous token is not among the candidates the lattice scored after ends the block
 there: the lattice has no edge for it. (The greedy walk always chains a scored candidate; the rule
 guards the walk against lattices built otherwise.)
+
+Under sampling with sampled proposals, both walks draw instead of taking the argmax: row k's token is
+drawn from the request's filtered distribution (temperature, top-k, top-p) of U_k + bias(x_{k-1}), with
+x_{k-1} the token drawn for the row before, over the vocabulary (dense walk) or over the row's K lattice
+candidates (Top-K lattice). That distribution, which the Markov bias of the drawn token shaped, is what
+speculative sampling verifies the candidate against (`Proposal.probs`).
 """
 
 from __future__ import annotations
@@ -32,8 +38,12 @@ import openvino as ov
 from dflash.core.draft_format import MARKOV_HEAD_FILE, markov_head_part, read_draft_metadata, read_rt_info
 from dflash.core.draft_format import SUPPORTED_MARKOV_HEAD_TYPES as SUPPORTED_HEAD_TYPES
 
-from .config import compile_properties
+from .config import SamplingParams, compile_properties
+from .drafter import Proposal
 from .errors import InputError, ModelFormatError
+from .sampler import DRAFT_STREAM, draw, filtered_probs, uniform
+
+Sampling = tuple[SamplingParams, int, int]  # a request whose candidates are drawn: its params, key, first candidate's position
 
 _REEXPORT_HINT = "re-export the draft with `dflash export` (it writes the Markov head next to the backbone)"
 
@@ -95,13 +105,23 @@ class MarkovHeadRunner:
         return min(top_k, self.vocab_size)
 
     def select_candidates(
-        self, base_logits_per_request: Sequence[np.ndarray], anchors: Sequence[int], top_k: int
-    ) -> list[list[int]]:
+        self,
+        base_logits_per_request: Sequence[np.ndarray],
+        anchors: Sequence[int],
+        top_k: int,
+        sampling: Sequence[Sampling | None] | None = None,
+    ) -> list[list[int] | Proposal]:
         """The drafted tokens of each request: its candidate rows' base logits [K_r, V] and its anchor
         (the token before the first candidate row) in, K_r tokens (fewer where a block ends) out.
 
         `top_k` 0 runs the dense walk, > 0 the Top-K lattice with that K (see `resolve_top_k`).
+        `sampling`, per request: None walks the argmax; (params, key, position) draws each token (row r
+        with the request's uniform at output position position + r) and returns a Proposal that holds
+        the distributions drawn from.
         """
+        sampling = list(sampling) if sampling is not None else [None] * len(base_logits_per_request)
+        if len(sampling) != len(base_logits_per_request):
+            raise ValueError("one sampling entry per request is needed")
         if len(base_logits_per_request) != len(anchors):
             raise ValueError("one anchor per request is needed")
         for logits in base_logits_per_request:
@@ -111,31 +131,45 @@ class MarkovHeadRunner:
                     "use the Markov head exported with this draft, for this target",
                 )
         if top_k == 0:
-            return self._dense_walk(base_logits_per_request, anchors)
-        return self._lattice_walk(base_logits_per_request, anchors, min(top_k, self.vocab_size))
+            return self._dense_walk(base_logits_per_request, anchors, sampling)
+        return self._lattice_walk(base_logits_per_request, anchors, min(top_k, self.vocab_size), sampling)
 
-    def _dense_walk(self, base: Sequence[np.ndarray], anchors: Sequence[int]) -> list[list[int]]:
+    def _dense_walk(self, base: Sequence[np.ndarray], anchors: Sequence[int],
+                    sampling: Sequence[Sampling | None]) -> list[list[int] | Proposal]:  # fmt: skip
         drafted: list[list[int]] = [[] for _ in base]
+        probs: list[list[np.ndarray]] = [[] for _ in base]
         for position in range(max((len(u) for u in base), default=0)):
             active = [i for i, u in enumerate(base) if len(u) > position]
             prev = [drafted[i][-1] if position else anchors[i] for i in active]
             bias = self.markov_bias(np.asarray(prev, dtype=np.int64))  # one call for every request here
             for row, i in enumerate(active):
-                drafted[i].append(int(np.argmax(base[i][position] + bias[row])))
-        return drafted
+                logits = base[i][position] + bias[row]
+                if sampling[i] is None:
+                    drafted[i].append(int(np.argmax(logits)))
+                else:
+                    params, key, first = sampling[i]
+                    probs[i].append(filtered_probs(logits, params))
+                    drafted[i].append(draw(uniform(key, first + position, DRAFT_STREAM), probs[i][-1]))
+        return [_proposal(tokens, rows, how, self.vocab_size) for tokens, rows, how in zip(drafted, probs, sampling)]
 
-    def _lattice_walk(self, base: Sequence[np.ndarray], anchors: Sequence[int], k: int) -> list[list[int]]:
+    def _lattice_walk(self, base: Sequence[np.ndarray], anchors: Sequence[int], k: int,
+                      sampling: Sequence[Sampling | None]) -> list[list[int] | Proposal]:  # fmt: skip
         lattices = [build_lattice(u, anchor, k) for u, anchor in zip(base, anchors)]
         lattices_with_rows = [lat for lat in lattices if lat.num_rows]
         if not lattices_with_rows:
-            return [[] for _ in base]
+            return [_proposal([], [], how, self.vocab_size) for how in sampling]
         edges = self.edge_scores(
             np.concatenate([lat.prev_candidate_ids for lat in lattices_with_rows]),
             np.concatenate([lat.candidate_ids for lat in lattices_with_rows]),
         )  # [sum K_r, K, K]: one call for every block row of every request
         drafted, row = [], 0
-        for lat, anchor in zip(lattices, anchors):
-            drafted.append(greedy_lattice_walk(lat, edges[row : row + lat.num_rows], anchor))
+        for lat, anchor, how in zip(lattices, anchors, sampling):
+            lattice_edges = edges[row : row + lat.num_rows]
+            if how is None:
+                drafted.append(greedy_lattice_walk(lat, lattice_edges, anchor))
+            else:
+                tokens, probs = sampled_lattice_walk(lat, lattice_edges, anchor, *how)
+                drafted.append(_proposal(tokens, probs, how, self.vocab_size))
             row += lat.num_rows
         return drafted
 
@@ -191,6 +225,40 @@ def greedy_lattice_walk(lattice: Lattice, edge_scores: np.ndarray, anchor: int) 
         prev_token = int(lattice.candidate_ids[row, int(np.argmax(scores))])
         drafted.append(prev_token)
     return drafted
+
+
+def sampled_lattice_walk(lattice: Lattice, edge_scores: np.ndarray, anchor: int, params: SamplingParams, key: int,
+                         position: int) -> tuple[list[int], list[tuple[np.ndarray, np.ndarray]]]:  # fmt: skip
+    """The greedy walk's draws: row by row, a candidate drawn from the request's filtered distribution
+    of base logit + edge score after the token drawn before, over the row's K candidates (row r with
+    the request's uniform at output position position + r). Returns the tokens and, per row,
+    (candidate ids [K], their probabilities [K])."""
+    drafted: list[int] = []
+    probs: list[tuple[np.ndarray, np.ndarray]] = []
+    prev_token = anchor
+    for row in range(lattice.num_rows):
+        slots = np.flatnonzero(lattice.prev_candidate_ids[row] == prev_token)
+        if len(slots) == 0:
+            break
+        q = filtered_probs(lattice.candidate_logits[row] + edge_scores[row, slots[0]], params)
+        prev_token = int(lattice.candidate_ids[row, draw(uniform(key, position + row, DRAFT_STREAM), q)])
+        drafted.append(prev_token)
+        probs.append((lattice.candidate_ids[row], q))
+    return drafted, probs
+
+
+def _proposal(tokens: list[int], probs: list, sampling: Sampling | None, vocab_size: int) -> list[int] | Proposal:
+    """A walk's tokens as they go to the drafter: plain for the argmax walk, a Proposal holding the
+    [len, V] distributions drawn from (rows given dense, or as (ids, probabilities)) for a sampled one."""
+    if sampling is None:
+        return tokens
+    dense = np.zeros((len(tokens), vocab_size), dtype=np.float64)
+    for i, row in enumerate(probs):
+        if isinstance(row, tuple):
+            dense[i, row[0]] = row[1]
+        else:
+            dense[i] = row
+    return Proposal(tokens, dense)
 
 
 # ---- loading ----------------------------------------------------------------------------------------

@@ -19,7 +19,10 @@ One draft step, after each target step (`DFlashDrafter.step`):
     run          if any request drafts: one packed inference over the windows of the requests that
                  draft (each catches up on the committed rows it has not read, then its block);
                  otherwise none. A request that does not draft keeps its rows pending.
-    select       candidates from the candidate rows (argmax, or the DSpark Markov head)
+    select       candidates from the candidate rows (argmax, or the DSpark Markov head); for a
+                 sampling request with sampled proposals, drawn from each row's distribution after
+                 the request's temperature/top-k/top-p (along the Markov walk for DSpark), and kept
+                 with the candidates for speculative sampling (core/verification.py)
 
 A request for which the draft's KV cache has no room now waits (its rows stay pending) and drafts
 again when other requests give blocks back. A request whose draft cannot go on (it could never fit
@@ -36,13 +39,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .adaptive import AdaptiveSchedule, Candidate
+from .config import DRAFT_PROPOSALS, SamplingParams
 from .draft_runner import BLOCK_ROW, CONTEXT_ROW, DraftInputs, DraftRunner
-from .drafter import Candidates, TargetStep
+from .drafter import Candidates, Proposal, TargetStep
 from .kv_cache_manager import KVCacheManager
 from .markov import MarkovHeadRunner
 from .metrics import DraftingStats
 from .paged import SequenceSlice
 from .request import Request
+from .sampler import DRAFT_STREAM, draw_rows, filtered_probs_rows, request_key, uniform
 from .schedules import make_schedules
 
 logger = logging.getLogger("dflash")
@@ -77,9 +82,17 @@ class _Window:
 
 
 def drafts(request: Request) -> bool:
-    """Whether the draft follows this request (greedy, and num_assistant_tokens not 0)."""
-    params = request.sampling_params
-    return params.is_greedy and params.num_assistant_tokens != 0
+    """Whether the draft follows this request (num_assistant_tokens not 0; greedy or sampling)."""
+    return request.sampling_params.num_assistant_tokens != 0
+
+
+def sample_rows(logits: np.ndarray, params: SamplingParams, key: int, position: int) -> Proposal:
+    """Sampled DFlash candidates: one token drawn from each candidate row's distribution after the
+    request's temperature, top-k and top-p, kept with those distributions; row i's draw is keyed by the
+    output position `position + i` of its candidate. # [k, V] -> Proposal"""
+    probs = filtered_probs_rows(logits, params, dtype=np.float32)
+    us = np.array([uniform(key, position + i, DRAFT_STREAM) for i in range(len(probs))])
+    return Proposal(draw_rows(us, probs), probs)
 
 
 class DFlashDrafter:
@@ -92,6 +105,7 @@ class DFlashDrafter:
         *,
         markov: MarkovHeadRunner | None = None,
         markov_top_k: int | None = None,
+        proposals: str = "argmax",
     ):
         self.runner = runner
         self.spec = runner.spec
@@ -100,6 +114,12 @@ class DFlashDrafter:
         # K 0); without one, each candidate row's argmax.
         self.markov = markov
         self.markov_top_k = markov.resolve_top_k(markov_top_k) if markov is not None else 0
+        # Under sampling: "argmax" proposes the draft's deterministic candidates (as for greedy),
+        # "sampled" draws them from the draft's distributions (core/verification.py).
+        if proposals not in DRAFT_PROPOSALS:
+            raise ValueError(f"proposals must be one of {', '.join(DRAFT_PROPOSALS)}, got {proposals!r}")
+        self.proposals = proposals
+        self._keys: dict[str, int] = {}  # per sampling request with sampled proposals: its key (from its seed)
         self.schedules = make_schedules(self.spec.max_candidates)
         self.stats = DraftingStats()
         self.seconds = 0.0  # in draft steps (inference, head and bookkeeping)
@@ -130,6 +150,7 @@ class DFlashDrafter:
     def forget(self, request: Request) -> None:
         """The request finished or was preempted: its draft blocks go back, its ledger is dropped."""
         self._states.pop(request.req_id, None)
+        self._keys.pop(request.req_id, None)
         self.kv_cache_manager.free(request)
         for schedule in self.schedules.values():
             schedule.forget(request.req_id)
@@ -283,14 +304,36 @@ class DFlashDrafter:
         return self._select(drafting)
 
     def _select(self, drafting: list[tuple[Request, np.ndarray]]) -> Candidates:
-        """Each request's candidates from its candidate rows' logits [k, vocab]."""
+        """Each request's candidates from its candidate rows' logits [k, vocab]: deterministic
+        (tuples), or drawn from the draft's distributions (Proposals) for sampled proposals."""
+        sampling = [self._sampling(request) for request, _ in drafting]
         if self.markov is None:
-            return {request.req_id: tuple(int(t) for t in logits.argmax(axis=-1)) for request, logits in drafting}
+            candidates: Candidates = {}
+            for (request, logits), how in zip(drafting, sampling):
+                if how is None:
+                    candidates[request.req_id] = tuple(int(t) for t in logits.argmax(axis=-1))
+                else:
+                    candidates[request.req_id] = sample_rows(logits, *how)
+            return candidates
         # The token before the first candidate row is the seed/anchor: the newest committed token.
         picked = self.markov.select_candidates(
-            [logits for _, logits in drafting], [request.all_token_ids[-1] for request, _ in drafting], self.markov_top_k
-        )
-        return {request.req_id: tuple(tokens) for (request, _), tokens in zip(drafting, picked)}
+            [logits for _, logits in drafting], [request.all_token_ids[-1] for request, _ in drafting], self.markov_top_k,
+            sampling=sampling,
+        )  # fmt: skip
+        return {request.req_id: tokens if isinstance(tokens, Proposal) else tuple(tokens)
+                for (request, _), tokens in zip(drafting, picked)}  # fmt: skip
+
+    def _sampling(self, request: Request) -> tuple[SamplingParams, int, int] | None:
+        """How to draw a request's candidates: None for deterministic ones (greedy requests, and
+        every request with argmax proposals), else its params, its key and the output position of
+        its first candidate (the draws are keyed by position: sampler.uniform)."""
+        params = request.sampling_params
+        if params.is_greedy or self.proposals != "sampled":
+            return None
+        key = self._keys.get(request.req_id)
+        if key is None:
+            key = self._keys[request.req_id] = request_key(params.seed)
+        return params, key, request.num_output_tokens
 
     def _pack(self, windows: list[_Window]) -> DraftInputs:
         seqs, token_ids, token_types, hidden, candidate_rows = [], [], [], [], []
