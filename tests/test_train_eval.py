@@ -156,6 +156,23 @@ def test_resume_refuses_another_draft_shape(root, target, examples):
         train_draft(target, examples, root / "nothing-here", _options(), resume=True)
 
 
+def test_resume_refuses_other_data(root, target, examples):
+    # Other data on resume (one more file, another decontamination set, another split) would move
+    # sequences held out in the first session into training; the run stops instead.
+    from dflash.core.errors import InputError
+
+    train_set, eval_set = examples[:-2], examples[-2:]
+    train_draft(target, train_set, root / "data", _options(steps=4), eval_examples=eval_set, stop_after_steps=2)
+    with pytest.raises(InputError, match="--resume with other data: .* held out 2, these are .* and 1"):
+        train_draft(target, examples[:-1], root / "data", _options(steps=4), eval_examples=examples[-1:], resume=True)
+    swapped = [*train_set[1:], eval_set[0]]
+    with pytest.raises(InputError, match="other sequences"):
+        train_draft(target, swapped, root / "data", _options(steps=4), eval_examples=[train_set[0], eval_set[1]],
+                    resume=True)
+    resumed = train_draft(target, train_set, root / "data", _options(steps=4), eval_examples=eval_set, resume=True)
+    assert resumed.finished and resumed.resumed_from_step == 2
+
+
 # --------------------------------------------------------------------------------------------------
 # The PyTorch evaluation against the engine
 

