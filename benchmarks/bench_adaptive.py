@@ -72,9 +72,9 @@ class Measured:
 def build(workdir: Path) -> dict[str, tuple[Path, Path, list[list[int]], list[list[int]]]]:
     """The two pairs: (target IR, draft IR, good prompts, bad prompts)."""
     random_hf = make_tiny_target(workdir / "hf-random", "qwen3", seed=0)
-    random_draft = make_tiny_draft(workdir / "hf-random-draft", random_hf, kind="dflash", block_size=16, seed=0)
+    random_draft = make_tiny_draft(workdir / "hf-random-draft", random_hf, kind="dflash", draft_block_size=16, seed=0)
     chain_hf, succ = make_chain_target(workdir / "hf-chain")
-    zero_draft = make_scaled_draft(workdir / "hf-zero-draft", chain_hf, "dflash", 0.0, block_size=16, num_layers=1)
+    zero_draft = make_scaled_draft(workdir / "hf-zero-draft", chain_hf, "dflash", 0.0, draft_block_size=16, num_layers=1)
     cycle, constant = chain_prompts(succ)
     texts = [list(range(10 + i, 40 + 3 * i)) for i in range(8)]  # ordinary ids of the tiny vocabulary
     return {

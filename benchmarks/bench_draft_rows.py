@@ -34,10 +34,10 @@ CASES = {
 PAST = 64  # tokens already in each request's draft KV
 
 
-def pack(windows: list[tuple[int, int]], width: int, block_size: int, mask_token: int, rng) -> DraftInputs:
+def pack(windows: list[tuple[int, int]], width: int, kv_block_size: int, mask_token: int, rng) -> DraftInputs:
     seqs, token_ids, token_types, candidate_rows, row, first_block = [], [], [], [], 0, 0
     for num_context, num_block in windows:
-        num_kv_blocks = (PAST + num_context + num_block + block_size - 1) // block_size
+        num_kv_blocks = (PAST + num_context + num_block + kv_block_size - 1) // kv_block_size
         seqs.append(SequenceSlice(PAST, num_context + num_block, list(range(first_block, first_block + num_kv_blocks))))
         first_block += num_kv_blocks
         token_ids += [mask_token] * num_context + [100] + [mask_token] * (num_block - 1)
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| window | before ms | after ms | after / before |")
     print("| --- | ---: | ---: | ---: |")
     for name, windows in CASES.items():
-        inputs = pack(windows, first.hidden_states_width, first.block_size, first.spec.mask_token_id, rng)
+        inputs = pack(windows, first.hidden_states_width, first.kv_block_size, first.spec.mask_token_id, rng)
         times: dict[str, list[float]] = {key: [] for key in runners}
         for _ in range(3):
             runner_list = list(runners.items())

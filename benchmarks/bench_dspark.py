@@ -124,7 +124,7 @@ def tiny_random(root: Path) -> Pair:
 
     hf = make_tiny_target(root / "hf", "qwen3", seed=3, initializer_range=0.2)
     target = export_target(hf, root / "target", weight_format="fp32")
-    src = make_tiny_draft(root / "draft-src", hf, kind="dspark", markov_rank=8, block_size=5, seed=1)
+    src = make_tiny_draft(root / "draft-src", hf, kind="dspark", markov_rank=8, draft_block_size=5, seed=1)
     draft = export_draft(src, root / "draft", weight_format="fp32")
     prompts = _tiny_prompts(AutoTokenizer.from_pretrained(hf))
     return Pair("tiny-random", target, draft, prompts, F32, "random tiny target and DSpark draft (block 5, rank 8)")
@@ -172,7 +172,7 @@ def tiny_decided(root: Path) -> Pair:
     _edit_safetensors(hf / "model.safetensors", shape_target)
     successor = _greedy_successor(hf / "model.safetensors")
     target = export_target(hf, root / "target", weight_format="fp32")
-    src = make_tiny_draft(root / "draft-src", hf, kind="dspark", markov_rank=32, block_size=7)
+    src = make_tiny_draft(root / "draft-src", hf, kind="dspark", markov_rank=32, draft_block_size=7)
 
     def shape_draft(weights: dict) -> None:
         _zero_block_layers(weights)
@@ -226,7 +226,7 @@ def smollm2_bigram(root: Path, num_prompts: int, num_train_prompts: int, max_new
     del engine
 
     rank = 64
-    src = make_tiny_draft(root / "smollm2-dspark-src", hf, kind="dspark", markov_rank=rank, block_size=7, num_layers=1)
+    src = make_tiny_draft(root / "smollm2-dspark-src", hf, kind="dspark", markov_rank=rank, draft_block_size=7, num_layers=1)
     hf_weights = load_file(str(hf / "model.safetensors"))
     embed = hf_weights["model.embed_tokens.weight"].float()
     lm_head = hf_weights.get("lm_head.weight", embed).float()

@@ -131,7 +131,7 @@ class Ours:
     @property
     def cache_types(self) -> str:
         layer = self.engine.runner.layout.layers[0]
-        return f"key {layer.key_type}, value {layer.value_type}, block {self.engine.runner.block_size}"
+        return f"key {layer.key_type}, value {layer.value_type}, block {self.engine.runner.kv_block_size}"
 
     def run(self, waves: list[list[list[int]]], max_new_tokens: int) -> RunResult:
         params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)

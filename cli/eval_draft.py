@@ -63,7 +63,7 @@ def eval_draft(
                                     num_candidates=num_candidates, batch_size=batch_size,
                                     on_progress=lambda done, total: advance(done))
         summary: dict[str, Any] = {"checkpoint": str(checkpoint), "target": str(target_dir), "dataset": dataset,
-                                   "kind": config.kind, "block_size": config.block_size, **result.to_json()}
+                                   "kind": config.kind, "block_size": config.draft_block_size, **result.to_json()}
         if json_output:
             output.json(summary)
             return

@@ -44,7 +44,7 @@ def train(
     target: Annotated[Path, typer.Argument(help="The target: a local Hugging Face causal LM folder (chat model).", show_default=False)],
     output_dir: Annotated[Path, typer.Argument(help="Folder for the draft checkpoint (what `dflash export` reads).", show_default=False)],
     kind: Annotated[DraftKind, typer.Option("--kind", help="dflash: z-lab layout, the seed row predicts nothing. dspark: DeepSpec layout, the anchor row predicts, Markov head.")] = DraftKind.dflash,
-    block_size: Annotated[Optional[int], typer.Option("--block-size", help="Rows per block, seed/anchor included (default: 16 for dflash, 7 for dspark).", show_default=False)] = None,
+    draft_block_size: Annotated[Optional[int], typer.Option("--block-size", help="Rows per block, seed/anchor included (default: 16 for dflash, 7 for dspark).", show_default=False)] = None,
     num_layers: Annotated[int, typer.Option("--num-layers", help="Draft decoder layers.")] = 1,
     markov_rank: Annotated[Optional[int], typer.Option("--markov-rank", help="Rank of the DSpark Markov head, 0 for none (default: 32 for dspark).", show_default=False)] = None,
     target_layer_ids: Annotated[Optional[str], typer.Option("--target-layer-ids", help="Target layers the draft reads, e.g. 1,15,27 (default: z-lab's rule for the draft depth).", show_default=False)] = None,
@@ -112,7 +112,7 @@ def train(
             raise InputError("--generate-data needs a positive number of prompts", hint="e.g. --generate-data 1000")
         options = TrainOptions(
             kind=kind.value,
-            block_size=block_size,
+            block_size=draft_block_size,  # TrainOptions' field name (training/): the draft's block
             num_layers=num_layers,
             markov_rank=markov_rank,
             target_layer_ids=_parse_layer_ids(target_layer_ids),

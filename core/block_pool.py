@@ -1,6 +1,6 @@
 """The KV block pool of one model: block ids, reference counts, an LRU free queue, prefix-cache hashes.
 
-A block holds the keys and values of `block_size` consecutive token positions of one request. The
+A block holds the keys and values of `kv_block_size` consecutive token positions of one request. The
 pool knows nothing about requests or models: the target and the draft each get their own pool (with
 their own block size and count), and a `KVCacheManager` maps requests onto blocks.
 
@@ -63,11 +63,11 @@ class BlockPool:
     unpublished.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
+    def __init__(self, num_blocks: int, kv_block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1 or kv_block_size < 1:
+            raise ValueError(f"num_blocks and kv_block_size must be >= 1, got {num_blocks}, {kv_block_size}")
         self.num_blocks = num_blocks
-        self.block_size = block_size
+        self.kv_block_size = kv_block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [KVBlock(block_id) for block_id in range(num_blocks)]
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)

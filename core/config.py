@@ -72,16 +72,16 @@ class CacheConfig:
     """The KV cache of one model (target or draft: each has its own).
 
     The size is given either as a block count (`num_blocks`) or in GiB (`kv_cache_size_gib`), not both.
-    `block_size` is what the compiled model's cache layout reports (never assumed).
+    `kv_block_size` is what the compiled model's cache layout reports (never assumed).
     """
 
-    block_size: int
+    kv_block_size: int
     num_blocks: int | None = None
     kv_cache_size_gib: float | None = None
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
-        _require_positive_int("block_size", self.block_size)
+        _require_positive_int("kv_block_size", self.kv_block_size)
         if self.num_blocks is not None:
             _require_positive_int("num_blocks", self.num_blocks)
         if self.kv_cache_size_gib is not None and not self.kv_cache_size_gib > 0:
@@ -234,12 +234,12 @@ class EngineConfig:
             max_model_len=max_model_len,
         )
 
-    def cache_config(self, block_size: int, *, draft: bool = False) -> CacheConfig:
-        """The target's (or the draft's) KV cache for a model whose compiled cache has `block_size`."""
+    def cache_config(self, kv_block_size: int, *, draft: bool = False) -> CacheConfig:
+        """The target's (or the draft's) KV cache for a model whose compiled cache has `kv_block_size`."""
         num_blocks = self.num_draft_kv_blocks if draft else self.num_kv_blocks
         size_gib = (self.draft_kv_cache_size_gib or self.kv_cache_size_gib) if draft else self.kv_cache_size_gib
         return CacheConfig(
-            block_size=block_size,
+            kv_block_size=kv_block_size,
             num_blocks=num_blocks,
             kv_cache_size_gib=None if num_blocks else (size_gib or DEFAULT_KV_CACHE_GIB),
             enable_prefix_caching=self.enable_prefix_caching,

@@ -27,7 +27,7 @@ class DraftMetadata:
 
     mask_token_id: int
     target_layer_ids: tuple[int, ...]
-    block_size: int
+    draft_block_size: int  # rows per draft block, seed/anchor included (rt_info dflash/block_size)
     candidate_position_offset: int
     markov_rank: int
     markov_head_type: str | None
@@ -36,7 +36,7 @@ class DraftMetadata:
     @property
     def max_candidates(self) -> int:
         """Candidates one block can yield: its rows after the offset."""
-        return self.block_size - self.candidate_position_offset
+        return self.draft_block_size - self.candidate_position_offset
 
 
 def read_rt_info(model, *path: str) -> str | None:
@@ -74,7 +74,8 @@ def read_draft_metadata(model, *, require_per_row: bool = True) -> DraftMetadata
         mask_token_id = int(_required(get("dflash", "mask_token_id"), "mask_token_id"))
         layer_text = _required(get("dflash", "target_layer_ids"), "target_layer_ids")
         target_layer_ids = tuple(int(part) for part in layer_text.split(","))
-        block_size = int(_required(get("dflash", "block_size"), "block_size"))
+        # "block_size" is the rt_info key the exporters write (named after z-lab's config.json field).
+        draft_block_size = int(_required(get("dflash", "block_size"), "block_size"))
         offset = int(get("dflash", "candidate_position_offset") or 1)
         markov_rank = int(get("dflash", "markov_rank") or 0)
     except ValueError as exc:
@@ -89,7 +90,7 @@ def read_draft_metadata(model, *, require_per_row: bool = True) -> DraftMetadata
     return DraftMetadata(
         mask_token_id=mask_token_id,
         target_layer_ids=target_layer_ids,
-        block_size=block_size,
+        draft_block_size=draft_block_size,
         candidate_position_offset=offset,
         markov_rank=markov_rank,
         markov_head_type=get("dflash", "markov_head_type") if markov_rank > 0 else None,

@@ -38,7 +38,7 @@ class KVCacheManager:
 
     def __init__(self, pool: BlockPool):
         self.pool = pool
-        self.block_size = pool.block_size
+        self.kv_block_size = pool.kv_block_size
         self.enable_caching = pool.enable_prefix_caching
         self._req_blocks: dict[str, list[KVBlock]] = {}
         self._num_published: dict[str, int] = {}  # leading blocks of a request already published
@@ -50,7 +50,7 @@ class KVCacheManager:
     @property
     def max_num_tokens(self) -> int:
         """The most token positions one request could ever hold: the whole pool."""
-        return self.pool.num_blocks * self.block_size
+        return self.pool.num_blocks * self.kv_block_size
 
     def block_table(self, req_id: str) -> list[int]:
         """The request's block ids in position order (empty if it holds none)."""
@@ -69,16 +69,16 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return [], 0
-        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        max_hit_blocks = (request.num_tokens - 1) // self.kv_block_size
         if limit is not None:  # the caller's cap, in tokens
-            max_hit_blocks = min(max_hit_blocks, limit // self.block_size)
+            max_hit_blocks = min(max_hit_blocks, limit // self.kv_block_size)
         blocks: list[KVBlock] = []
         for block_hash in self._block_hashes(request)[:max_hit_blocks]:
             block = self.pool.get_cached_block(block_hash)
             if block is None:
                 break
             blocks.append(block)
-        return blocks, len(blocks) * self.block_size
+        return blocks, len(blocks) * self.kv_block_size
 
     def allocate_slots(
         self,
@@ -100,8 +100,8 @@ class KVCacheManager:
         req_blocks = self._req_blocks.get(request.req_id, [])
         if new_computed_blocks and req_blocks:
             raise ValueError(f"request {request.req_id} already holds blocks; cache hits are for admission")
-        num_total = num_computed_tokens + len(new_computed_blocks) * self.block_size + num_new_tokens
-        num_needed = _cdiv(num_total, self.block_size) - len(req_blocks) - len(new_computed_blocks)
+        num_total = num_computed_tokens + len(new_computed_blocks) * self.kv_block_size + num_new_tokens
+        num_needed = _cdiv(num_total, self.kv_block_size) - len(req_blocks) - len(new_computed_blocks)
         # Hit blocks that sit in the free queue stop being free once referenced.
         num_revived = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
         if num_needed > self.pool.num_free_blocks - num_revived:
@@ -122,7 +122,7 @@ class KVCacheManager:
         if not self.enable_caching:
             return
         req_blocks = self._req_blocks.get(request.req_id, [])
-        num_full = min(num_committed_tokens, request.num_tokens) // self.block_size
+        num_full = min(num_committed_tokens, request.num_tokens) // self.kv_block_size
         num_full = min(num_full, len(req_blocks))
         num_published = self._num_published.get(request.req_id, 0)
         if num_full <= num_published:
@@ -141,9 +141,9 @@ class KVCacheManager:
 
     def _block_hashes(self, request: Request) -> list[BlockHash]:
         """Hashes of every full committed block, computed once per block and kept on the request."""
-        hashes = request.block_hashes.setdefault(self.block_size, [])
+        hashes = request.block_hashes.setdefault(self.kv_block_size, [])
         tokens = request.all_token_ids
-        for start in range(len(hashes) * self.block_size, len(tokens) - self.block_size + 1, self.block_size):
+        for start in range(len(hashes) * self.kv_block_size, len(tokens) - self.kv_block_size + 1, self.kv_block_size):
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block_tokens(parent, tokens[start : start + self.block_size]))
+            hashes.append(hash_block_tokens(parent, tokens[start : start + self.kv_block_size]))
         return hashes

@@ -54,10 +54,10 @@ def load_pipelines(model_dir: Path, draft_dir: str | Path | None, config: Engine
 
 def _make_kv_cache(runner, config: EngineConfig, *, draft: bool) -> KVCacheManager:
     """A block pool sized as the config says, the runner's caches allocated to match."""
-    cache = config.cache_config(runner.block_size, draft=draft)
+    cache = config.cache_config(runner.kv_block_size, draft=draft)
     num_blocks = cache.resolve_num_blocks(runner.bytes_per_block)
     runner.allocate_cache(num_blocks)
-    return KVCacheManager(BlockPool(num_blocks, cache.block_size, cache.enable_prefix_caching))
+    return KVCacheManager(BlockPool(num_blocks, cache.kv_block_size, cache.enable_prefix_caching))
 
 
 def read_model_config(model_dir: Path) -> dict:

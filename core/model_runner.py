@@ -89,7 +89,7 @@ class PagedModel:
     def __init__(self, model: ov.Model, *, device: str, ov_config: dict[str, str] | None):
         self.compiled = ov.Core().compile_model(model, device, compile_properties(ov_config))
         self.layout: KVCacheLayout = read_kv_cache_layout(self.compiled)
-        self.block_size = self.layout.block_size
+        self.kv_block_size = self.layout.kv_block_size
         self.num_blocks = 0
         self.infer_seconds = 0.0
         self._request = self.compiled.create_infer_request()
@@ -107,7 +107,7 @@ class PagedModel:
 
     def _infer(self, seqs: list[SequenceSlice], rows: dict[str, np.ndarray], sample_rows: np.ndarray) -> None:
         """One packed inference: paging inputs from `seqs`, then the per-row inputs and the sampled rows."""
-        for name, values in pack_paged_inputs(seqs, self.block_size).items():
+        for name, values in pack_paged_inputs(seqs, self.kv_block_size).items():
             self._tensors.write(name, values)
         self._tensors.write("position_ids", packed_positions(seqs))
         for name, values in rows.items():

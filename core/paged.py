@@ -231,8 +231,8 @@ class KVCacheLayerLayout:
     value_name: str
     key_type: ov.Type
     value_type: ov.Type
-    key_block_shape: tuple[int, ...]  # [kv_heads, block_size (+ 8 for u8 by-channel keys), head_size]
-    value_block_shape: tuple[int, ...]  # [kv_heads, block_size, head_size (+ scale/zero-point when quantized)]
+    key_block_shape: tuple[int, ...]  # [kv_heads, kv_block_size (+ 8 for u8 by-channel keys), head_size]
+    value_block_shape: tuple[int, ...]  # [kv_heads, kv_block_size, head_size (+ scale/zero-point when quantized)]
     key_head_size: int
     value_head_size: int
 
@@ -241,7 +241,7 @@ class KVCacheLayerLayout:
         return self.value_block_shape[0]
 
     @property
-    def block_size(self) -> int:
+    def kv_block_size(self) -> int:
         # The value cache: a quantized key cache stores per-channel scales on the block axis.
         return self.value_block_shape[1]
 
@@ -257,7 +257,7 @@ class KVCacheLayout:
     """The block caches a compiled PagedAttention model needs, one entry per layer."""
 
     layers: list[KVCacheLayerLayout]
-    block_size: int  # tokens per block, the same for every layer
+    kv_block_size: int  # tokens per block, the same for every layer
 
     @property
     def bytes_per_block(self) -> int:
@@ -268,8 +268,8 @@ class KVCacheLayout:
 def read_kv_cache_layout(compiled: ov.CompiledModel) -> KVCacheLayout:
     """Read cache element types and shapes from a compiled PA model (they depend on device and hints).
 
-    The CPU uses [num_blocks, kv_heads, block_size, head_size] with block_size 32 today, but a u8 key
-    cache has block_size + 8 rows (per-channel scale and zero-point), so the block size is read from
+    The CPU uses [num_blocks, kv_heads, kv_block_size, head_size] with kv_block_size 32 today, but a u8 key
+    cache has kv_block_size + 8 rows (per-channel scale and zero-point), so the block size is read from
     the value cache.
     """
     names = {name for port in compiled.inputs for name in port.get_names()}
@@ -279,13 +279,13 @@ def read_kv_cache_layout(compiled: ov.CompiledModel) -> KVCacheLayout:
             "compiled model has no key_cache inputs", hint="convert it with to_paged_attention before compiling"
         )
     layers = [_read_layer_layout(compiled, i) for i in range(num_layers)]
-    block_sizes = {layer.block_size for layer in layers}
-    if len(block_sizes) != 1:
+    kv_block_sizes = {layer.kv_block_size for layer in layers}
+    if len(kv_block_sizes) != 1:
         raise ModelFormatError(
-            f"compiled model mixes cache block sizes {sorted(block_sizes)}",
+            f"compiled model mixes cache block sizes {sorted(kv_block_sizes)}",
             hint="this engine needs one block size for all layers",
         )
-    return KVCacheLayout(layers=layers, block_size=block_sizes.pop())
+    return KVCacheLayout(layers=layers, kv_block_size=kv_block_sizes.pop())
 
 
 def _read_layer_layout(compiled: ov.CompiledModel, index: int) -> KVCacheLayerLayout:
@@ -352,11 +352,11 @@ class SequenceSlice:
     num_new_rows: int  # rows this call adds, at positions past_len .. past_len + num_new_rows - 1
     block_table: list[int]  # physical block ids in logical order; may hold more than this call needs
 
-    def num_blocks(self, block_size: int) -> int:
-        return -(-(self.past_len + self.num_new_rows) // block_size)
+    def num_blocks(self, kv_block_size: int) -> int:
+        return -(-(self.past_len + self.num_new_rows) // kv_block_size)
 
 
-def pack_paged_inputs(seqs: list[SequenceSlice], block_size: int) -> dict[str, np.ndarray]:
+def pack_paged_inputs(seqs: list[SequenceSlice], kv_block_size: int) -> dict[str, np.ndarray]:
     """Build the five paging inputs (all i32) for sequences whose new rows are packed in this order."""
     if not seqs:
         raise ValueError("a PagedAttention call needs at least one sequence")
@@ -364,11 +364,11 @@ def pack_paged_inputs(seqs: list[SequenceSlice], block_size: int) -> dict[str, n
     for seq in seqs:
         if seq.num_new_rows <= 0 or seq.past_len < 0:
             raise ValueError(f"bad sequence slice {seq}: needs past_len >= 0 and num_new_rows > 0")
-        needed = seq.num_blocks(block_size)
+        needed = seq.num_blocks(kv_block_size)
         if len(seq.block_table) < needed:
             raise ValueError(
                 f"block table of {len(seq.block_table)} blocks cannot hold "
-                f"{seq.past_len + seq.num_new_rows} rows of block size {block_size}"
+                f"{seq.past_len + seq.num_new_rows} rows of block size {kv_block_size}"
             )
         past_lens.append(seq.past_len)
         row_begins.append(row_begins[-1] + seq.num_new_rows)

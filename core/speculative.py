@@ -365,11 +365,11 @@ class DFlashDrafter:
     # ---- prefix caching -----------------------------------------------------------------------
 
     def _restore_prefix(self, request: Request, state: DraftState, num_tokens: int) -> bool:
-        block_size = self.kv_cache_manager.block_size
+        kv_block_size = self.kv_cache_manager.kv_block_size
         blocks, hit = self.kv_cache_manager.get_computed_blocks(request)
-        if num_tokens % block_size or hit < num_tokens:
+        if num_tokens % kv_block_size or hit < num_tokens:
             return False
-        if not self.kv_cache_manager.allocate_slots(request, 0, blocks[: num_tokens // block_size], num_computed_tokens=0):
+        if not self.kv_cache_manager.allocate_slots(request, 0, blocks[: num_tokens // kv_block_size], num_computed_tokens=0):
             return False
         state.num_consumed = num_tokens
         self.num_restored_tokens += num_tokens

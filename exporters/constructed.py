@@ -95,11 +95,11 @@ def make_chain_target(folder: Path, seed: int = 5, succ_seed: int = 1) -> tuple[
     return target, succ
 
 
-def make_scaled_draft(folder: Path, target_hf: Path, kind: str, factor: float, *, block_size: int = 4,
+def make_scaled_draft(folder: Path, target_hf: Path, kind: str, factor: float, *, draft_block_size: int = 4,
                       num_layers: int = 2, seed: int = 11) -> Path:  # fmt: skip
     """A tiny draft (no Markov head) whose layers write `factor` of their output into the residual
     stream (0: a "zero" draft), with unit final norm."""
-    hf = make_tiny_draft(folder, target_hf, kind=kind, block_size=block_size, num_layers=num_layers,
+    hf = make_tiny_draft(folder, target_hf, kind=kind, draft_block_size=draft_block_size, num_layers=num_layers,
                          markov_rank=0, seed=seed)  # fmt: skip
     edit_weights(hf, lambda w: (scale_residual_writes(w, factor), unit_final_norm(w)))
     return hf

@@ -102,11 +102,11 @@ def check_exportable(config: DraftConfig, target_hidden_size: int | None = None)
             f"the draft's hidden size {config.hidden_size} differs from the target's {target_hidden_size}",
             hint="export the draft that was trained for this target",
         )
-    if config.sliding_window is not None and config.sliding_window < config.block_size:
+    if config.sliding_window is not None and config.sliding_window < config.draft_block_size:
         # PagedAttention's CPU kernel limits a bidirectional block differently from this mask when the
         # window is narrower than the block; a window at least as wide gives the same answer on both.
         raise ModelFormatError(
-            f"the draft's sliding_window {config.sliding_window} is smaller than its block_size {config.block_size}",
+            f"the draft's sliding_window {config.sliding_window} is smaller than its block_size {config.draft_block_size}",
             hint="PagedAttention drafting needs sliding_window >= block_size",
         )
 
@@ -156,8 +156,8 @@ def convert_draft(model: DraftModel):
     h, k = config.hidden_size, config.num_target_features
     kv_heads, head_dim = config.num_key_value_heads, config.head_dim
     # Past > 0 and a mixed [context; block] call, so nothing in the trace specialises to a first call.
-    batch, past, rows = 1, 3, 2 + config.block_size
-    token_type_ids = torch.tensor([[0, 0] + [1] * config.block_size])
+    batch, past, rows = 1, 3, 2 + config.draft_block_size
+    token_type_ids = torch.tensor([[0, 0] + [1] * config.draft_block_size])
     example = (
         torch.randn(batch, rows, h),
         torch.randn(batch, rows, k * h),
@@ -206,7 +206,7 @@ def add_draft_rt_info(ov_model, config: DraftConfig) -> None:
     entries = {
         "mask_token_id": str(config.mask_token_id),
         "target_layer_ids": ",".join(map(str, config.target_layer_ids)),
-        "block_size": str(config.block_size),
+        "block_size": str(config.draft_block_size),  # rt_info key, read by core.draft_format
         "candidate_position_offset": str(config.candidate_position_offset),
         "markov_rank": str(config.markov_rank),
     }

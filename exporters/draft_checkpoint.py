@@ -211,7 +211,7 @@ def make_tiny_draft(
     *,
     seed: int = 0,
     num_layers: int = 2,
-    block_size: int = 4,
+    draft_block_size: int = 4,
     target_layer_ids: list[int] | None = None,
     markov_rank: int = 0,
     layer_types: list[str] | None = None,
@@ -261,7 +261,7 @@ def make_tiny_draft(
         "layer_types": list(layer_types),
         "sliding_window": sliding_window,
         "use_sliding_window": sliding_window is not None,
-        "block_size": block_size,
+        "block_size": draft_block_size,  # the source formats' config.json key
         "num_target_layers": num_target_layers,
     }
     rope = target.get("rope_parameters") or {"rope_type": "default", "rope_theta": target.get("rope_theta", 10000.0)}

@@ -50,13 +50,18 @@ class DraftConfig:
     sliding_window: int | None  # set when some layer is "sliding_attention"
     target_layer_ids: tuple[int, ...]
     mask_token_id: int
-    block_size: int
+    draft_block_size: int  # rows per draft block, seed/anchor included (config.json `block_size`)
     candidate_position_offset: int  # 1: row 0 is the seed (z-lab); 0: the anchor row predicts (DSpark)
     markov_rank: int  # 0 = no Markov head
     markov_head_type: str | None  # "vanilla" when markov_rank > 0
     vocab_size: int
     num_target_layers: int | None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def block_size(self) -> int:
+        """Deprecated alias of `draft_block_size` (training/ still reads this name)."""
+        return self.draft_block_size
 
     @property
     def num_target_features(self) -> int:
@@ -147,11 +152,12 @@ def parse_draft_config(raw: dict[str, Any], source: str = "config.json") -> Draf
     num_target_layers = draft_field("num_target_layers")
     target_layer_ids = _target_layer_ids(draft_field("target_layer_ids"), num_target_layers, num_layers, source)
     mask_token_id = _required_int(draft_field("mask_token_id"), "mask_token_id", source)
-    block_size = _required_int(draft_field("block_size"), "block_size", source)
+    # `block_size` is the source config.json's own key (z-lab and DeepSpec): kept as it is.
+    draft_block_size = _required_int(draft_field("block_size"), "block_size", source)
     offset = _candidate_position_offset(kind, draft_field, source)
-    if block_size < 1 + offset:
+    if draft_block_size < 1 + offset:
         raise ModelFormatError(
-            f"{source}: block_size {block_size} leaves no candidate row (candidate_position_offset {offset})",
+            f"{source}: block_size {draft_block_size} leaves no candidate row (candidate_position_offset {offset})",
             hint="block_size counts the seed/anchor row; it must be at least 2 for a DFlash draft",
         )
     markov_rank = int(draft_field("markov_rank") or 0)
@@ -182,7 +188,7 @@ def parse_draft_config(raw: dict[str, Any], source: str = "config.json") -> Draf
         sliding_window=sliding_window,
         target_layer_ids=target_layer_ids,
         mask_token_id=mask_token_id,
-        block_size=block_size,
+        draft_block_size=draft_block_size,
         candidate_position_offset=offset,
         markov_rank=markov_rank,
         markov_head_type=markov_head_type,

@@ -399,10 +399,10 @@ def check_hidden_size_matches_target(draft: _Draft, target: _Target) -> CheckRes
     return _passed(name, f"hidden size {embeds}, as the target's (embedding and lm_head graft fit)")
 
 
-def check_block_size(draft: _Draft) -> CheckResult:
+def check_draft_block_size(draft: _Draft) -> CheckResult:
     name = "block_size"
     try:
-        block = _rt_int(draft, "block_size")
+        block = _rt_int(draft, "block_size")  # the rt_info key (z-lab's config.json name)
     except _Bad as bad:
         return _failed(name, str(bad), REEXPORT_DRAFT)
     if block < 2:
@@ -600,7 +600,7 @@ def validate_draft(
     if target is not None:
         steps.append(("hidden_size_matches_target", lambda: check_hidden_size_matches_target(draft, target)))
     steps += [
-        ("block_size", lambda: check_block_size(draft)),
+        ("block_size", lambda: check_draft_block_size(draft)),
         ("candidate_position_offset", lambda: check_candidate_position_offset(draft)),
         ("markov_head", lambda: check_markov_head(draft, target)),
     ]

@@ -43,7 +43,7 @@ runner = CliRunner()
 def pair(tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("bench")
     target_hf = make_tiny_target(root / "hf-target", "qwen3", seed=3)
-    draft_hf = make_tiny_draft(root / "hf-draft", target_hf, kind="dflash", block_size=4, seed=11)
+    draft_hf = make_tiny_draft(root / "hf-draft", target_hf, kind="dflash", draft_block_size=4, seed=11)
     target = export_target(target_hf, root / "ov-target", weight_format="fp32")
     draft = export_draft(draft_hf, root / "ov-draft", weight_format="fp32")
     return target, draft

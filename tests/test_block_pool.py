@@ -17,10 +17,10 @@ def make_request(req_id: str, token_ids: list[int], max_new_tokens: int = 8) -> 
     return Request(req_id, list(token_ids), SamplingParams(max_new_tokens=max_new_tokens))
 
 
-def hashes_of(token_ids: list[int], block_size: int) -> list:
+def hashes_of(token_ids: list[int], kv_block_size: int) -> list:
     hashes, parent = [], None
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block_tokens(parent, token_ids[start : start + block_size])
+    for start in range(0, len(token_ids) - kv_block_size + 1, kv_block_size):
+        parent = hash_block_tokens(parent, token_ids[start : start + kv_block_size])
         hashes.append(parent)
     return hashes
 
@@ -52,7 +52,7 @@ def test_hash_parent_none_is_none_hash_and_extra_keys_matter():
 
 
 def test_new_blocks_come_from_the_head_with_one_reference():
-    pool = BlockPool(num_blocks=6, block_size=4)
+    pool = BlockPool(num_blocks=6, kv_block_size=4)
     blocks = pool.get_new_blocks(3)
     assert [b.block_id for b in blocks] == [0, 1, 2]
     assert [b.ref_cnt for b in blocks] == [1, 1, 1]
@@ -61,7 +61,7 @@ def test_new_blocks_come_from_the_head_with_one_reference():
 
 
 def test_freed_blocks_go_to_the_tail_and_are_evicted_lru_first():
-    pool = BlockPool(num_blocks=6, block_size=4)
+    pool = BlockPool(num_blocks=6, kv_block_size=4)
     b0, b1, b2, b3 = pool.get_new_blocks(4)
     pool.free_blocks([b2, b0])
     assert pool.free_block_ids() == [4, 5, 2, 0]
@@ -70,7 +70,7 @@ def test_freed_blocks_go_to_the_tail_and_are_evicted_lru_first():
 
 
 def test_cached_block_stays_findable_after_free_until_evicted():
-    pool = BlockPool(num_blocks=4, block_size=2)
+    pool = BlockPool(num_blocks=4, kv_block_size=2)
     b0, b1 = pool.get_new_blocks(2)
     h = hash_block_tokens(None, [1, 2])
     pool.cache_full_blocks([b0], [h])
@@ -85,7 +85,7 @@ def test_cached_block_stays_findable_after_free_until_evicted():
 
 
 def test_touch_revives_a_free_cached_block_and_counts_references():
-    pool = BlockPool(num_blocks=3, block_size=2)
+    pool = BlockPool(num_blocks=3, kv_block_size=2)
     (b0,) = pool.get_new_blocks(1)
     pool.cache_full_blocks([b0], [hash_block_tokens(None, [5, 6])])
     pool.free_blocks([b0])
@@ -100,7 +100,7 @@ def test_touch_revives_a_free_cached_block_and_counts_references():
 
 
 def test_misuse_raises():
-    pool = BlockPool(num_blocks=2, block_size=2)
+    pool = BlockPool(num_blocks=2, kv_block_size=2)
     (b0,) = pool.get_new_blocks(1)
     pool.free_blocks([b0])
     with pytest.raises(RuntimeError, match="freed more often"):
@@ -108,11 +108,11 @@ def test_misuse_raises():
     with pytest.raises(ValueError, match="asked for 3 blocks, 2 free"):
         pool.get_new_blocks(3)
     with pytest.raises(ValueError):
-        BlockPool(num_blocks=0, block_size=4)
+        BlockPool(num_blocks=0, kv_block_size=4)
 
 
 def test_same_hash_twice_keeps_the_first_block():
-    pool = BlockPool(num_blocks=3, block_size=2)
+    pool = BlockPool(num_blocks=3, kv_block_size=2)
     b0, b1 = pool.get_new_blocks(2)
     h = hash_block_tokens(None, [1, 2])
     pool.cache_full_blocks([b0], [h])
@@ -121,7 +121,7 @@ def test_same_hash_twice_keeps_the_first_block():
 
 
 def test_without_prefix_caching_nothing_is_published():
-    pool = BlockPool(num_blocks=3, block_size=2, enable_prefix_caching=False)
+    pool = BlockPool(num_blocks=3, kv_block_size=2, enable_prefix_caching=False)
     (b0,) = pool.get_new_blocks(1)
     h = hash_block_tokens(None, [1, 2])
     pool.cache_full_blocks([b0], [h])
@@ -129,7 +129,7 @@ def test_without_prefix_caching_nothing_is_published():
 
 
 def test_assert_all_free_names_leaked_blocks():
-    pool = BlockPool(num_blocks=4, block_size=2)
+    pool = BlockPool(num_blocks=4, kv_block_size=2)
     blocks = pool.get_new_blocks(2)
     with pytest.raises(AssertionError, match=r"2 KV blocks not returned to the pool: \[0, 1\]"):
         pool.assert_all_free()
@@ -138,7 +138,7 @@ def test_assert_all_free_names_leaked_blocks():
 
 
 def test_reset_prefix_cache_only_when_idle():
-    pool = BlockPool(num_blocks=2, block_size=2)
+    pool = BlockPool(num_blocks=2, kv_block_size=2)
     (b0,) = pool.get_new_blocks(1)
     h = hash_block_tokens(None, [1, 2])
     pool.cache_full_blocks([b0], [h])
@@ -152,7 +152,7 @@ def test_reset_prefix_cache_only_when_idle():
 
 
 def test_allocate_slots_grows_the_block_table_only_when_needed():
-    manager = KVCacheManager(BlockPool(num_blocks=8, block_size=4))
+    manager = KVCacheManager(BlockPool(num_blocks=8, kv_block_size=4))
     req = make_request("a", range(10))
     assert manager.allocate_slots(req, 10)
     assert manager.block_table("a") == [0, 1, 2]
@@ -169,7 +169,7 @@ def test_allocate_slots_grows_the_block_table_only_when_needed():
 
 
 def test_failed_allocation_changes_nothing():
-    manager = KVCacheManager(BlockPool(num_blocks=4, block_size=4))
+    manager = KVCacheManager(BlockPool(num_blocks=4, kv_block_size=4))
     a, b = make_request("a", range(12)), make_request("b", range(50, 58))
     assert manager.allocate_slots(a, 12)
     assert not manager.allocate_slots(b, 8)
@@ -179,7 +179,7 @@ def test_failed_allocation_changes_nothing():
 
 
 def test_prefix_hit_is_capped_to_leave_one_token_to_compute():
-    manager = KVCacheManager(BlockPool(num_blocks=16, block_size=4))
+    manager = KVCacheManager(BlockPool(num_blocks=16, kv_block_size=4))
     prompt = list(range(100, 108))  # exactly two blocks
     a = make_request("a", prompt)
     assert manager.allocate_slots(a, 8)
@@ -197,7 +197,7 @@ def test_prefix_hit_is_capped_to_leave_one_token_to_compute():
 
 
 def test_hit_blocks_are_shared_and_freed_tail_first():
-    manager = KVCacheManager(BlockPool(num_blocks=4, block_size=4))
+    manager = KVCacheManager(BlockPool(num_blocks=4, kv_block_size=4))
     prompt = list(range(9))
     a = make_request("a", prompt)
     assert manager.allocate_slots(a, 9)
@@ -226,7 +226,7 @@ def test_hit_blocks_are_shared_and_freed_tail_first():
 
 
 def test_hit_blocks_that_are_free_count_against_the_free_blocks():
-    manager = KVCacheManager(BlockPool(num_blocks=3, block_size=4))
+    manager = KVCacheManager(BlockPool(num_blocks=3, kv_block_size=4))
     prompt = list(range(9))
     a = make_request("a", prompt)
     assert manager.allocate_slots(a, 9)
@@ -242,7 +242,7 @@ def test_hit_blocks_that_are_free_count_against_the_free_blocks():
 
 
 def test_cache_blocks_never_hashes_candidates():
-    manager = KVCacheManager(BlockPool(num_blocks=4, block_size=4))
+    manager = KVCacheManager(BlockPool(num_blocks=4, kv_block_size=4))
     req = make_request("a", range(6))
     req.spec_token_ids = [7, 8]
     assert manager.allocate_slots(req, req.num_tokens_with_spec)
@@ -252,8 +252,8 @@ def test_cache_blocks_never_hashes_candidates():
 
 
 def test_two_managers_with_different_block_sizes_share_a_request():
-    target = KVCacheManager(BlockPool(num_blocks=8, block_size=4))
-    draft = KVCacheManager(BlockPool(num_blocks=8, block_size=2))
+    target = KVCacheManager(BlockPool(num_blocks=8, kv_block_size=4))
+    draft = KVCacheManager(BlockPool(num_blocks=8, kv_block_size=2))
     req = make_request("a", range(9))
     for manager in (target, draft):
         assert manager.allocate_slots(req, 9)
@@ -267,7 +267,7 @@ def test_two_managers_with_different_block_sizes_share_a_request():
 
 
 def test_manager_caching_can_be_turned_off():
-    manager = KVCacheManager(BlockPool(num_blocks=4, block_size=4))
+    manager = KVCacheManager(BlockPool(num_blocks=4, kv_block_size=4))
     manager.enable_caching = False
     req = make_request("a", range(9))
     assert manager.allocate_slots(req, 9)
@@ -281,16 +281,16 @@ def test_manager_caching_can_be_turned_off():
 
 def test_cache_config_size_in_gib_or_blocks():
     assert num_blocks_for_size(1.0, 1 << 20) == 1024
-    assert CacheConfig(block_size=16, kv_cache_size_gib=0.5).resolve_num_blocks(1 << 20) == 512
-    assert CacheConfig(block_size=16, num_blocks=7).resolve_num_blocks(1 << 20) == 7
+    assert CacheConfig(kv_block_size=16, kv_cache_size_gib=0.5).resolve_num_blocks(1 << 20) == 512
+    assert CacheConfig(kv_block_size=16, num_blocks=7).resolve_num_blocks(1 << 20) == 7
     with pytest.raises(ValueError, match="not both"):
-        CacheConfig(block_size=16, num_blocks=7, kv_cache_size_gib=1.0)
+        CacheConfig(kv_block_size=16, num_blocks=7, kv_cache_size_gib=1.0)
     with pytest.raises(ValueError, match="unset"):
-        CacheConfig(block_size=16).resolve_num_blocks(1 << 20)
+        CacheConfig(kv_block_size=16).resolve_num_blocks(1 << 20)
     with pytest.raises(ValueError, match="holds no block"):
         num_blocks_for_size(1e-9, 1 << 20)
-    with pytest.raises(ValueError, match="block_size"):
-        CacheConfig(block_size=0, num_blocks=7)
+    with pytest.raises(ValueError, match="kv_block_size"):
+        CacheConfig(kv_block_size=0, num_blocks=7)
 
 
 @pytest.mark.parametrize(

@@ -40,10 +40,10 @@ F32 = EXACT_OV_CONFIG
 
 DRAFTS = {
     # name: make_tiny_draft arguments. The tiny target has 4 query / 2 KV heads, so all drafts are GQA.
-    "dflash": dict(kind="dflash", block_size=4),
-    "dspark": dict(kind="dspark", block_size=5, markov_rank=4),
+    "dflash": dict(kind="dflash", draft_block_size=4),
+    "dspark": dict(kind="dspark", draft_block_size=5, markov_rank=4),
     # Window 6 is shorter than the 30-row context and the block, and one KV head for 4 query heads.
-    "sliding": dict(kind="dflash", block_size=4, layer_types=["sliding_attention", "full_attention"],
+    "sliding": dict(kind="dflash", draft_block_size=4, layer_types=["sliding_attention", "full_attention"],
                     sliding_window=6, num_key_value_heads=1),
 }
 
@@ -180,7 +180,7 @@ class PagedDraft:
 
     def step(self, seqs, embeds, hidden, token_types) -> np.ndarray:
         """Rows packed over `seqs`: embeds [T, H], hidden [T, k*H], token_types [T] -> [T, H]."""
-        feeds = pack_paged_inputs(seqs, self.layout.block_size)
+        feeds = pack_paged_inputs(seqs, self.layout.kv_block_size)
         rows = {"inputs_embeds": embeds, "hidden_states": hidden, "position_ids": packed_positions(seqs),
                 "token_type_ids": token_types}
         for name, array in rows.items():
@@ -205,7 +205,7 @@ def test_packed_windows_match_the_dflash_forward(draft):
     context, so it overwrites the previous block's cache slots (the rollback)."""
     config = draft.config
     reference = DFlashReference(config, load_draft_weights(draft.source, config))
-    h, kh, q = config.hidden_size, config.num_target_features * config.hidden_size, config.block_size
+    h, kh, q = config.hidden_size, config.num_target_features * config.hidden_size, config.draft_block_size
     paged = PagedDraft(draft.compiled)
     block_tables = [[4, 1], [2, 5]]  # scattered physical blocks; sequence 1 crosses a block boundary
     # New context rows per call: sequence 0 stays short, sequence 1's block straddles the boundary
@@ -244,7 +244,7 @@ def test_reference_is_sensitive_to_the_mask(draft):
     reference = DFlashReference(config, load_draft_weights(draft.source, config))
     gen = torch.Generator().manual_seed(5)
     hidden = torch.randn(6, config.num_target_features * config.hidden_size, generator=gen)
-    block = torch.randn(config.block_size, config.hidden_size, generator=gen)
+    block = torch.randn(config.draft_block_size, config.hidden_size, generator=gen)
     full = reference.step(ContextCache(), hidden, block)
     changed = block.clone()
     changed[-1] += 1.0  # the last block row: under a causal mask no other row would see it

@@ -253,24 +253,24 @@ def test_staggered_arrivals(qwen3):
 
 def test_prefix_cache_hits_give_the_same_tokens(qwen3):
     engine = make_engine(qwen3.ov_dir)
-    block_size = engine.runner.block_size
+    kv_block_size = engine.runner.kv_block_size
     long_ids = engine.tokenizer(PROMPTS[LONG]).input_ids
-    assert len(long_ids) > 2 * block_size, "the prompt must span more than 2 blocks"
+    assert len(long_ids) > 2 * kv_block_size, "the prompt must span more than 2 blocks"
 
     (first,), (first_req,) = run_all(engine, [PROMPTS[LONG]])
     assert first_req.num_prefix_cached_tokens == 0
     assert engine.block_pool.num_cached_blocks >= 2
 
     (again,), (again_req,) = run_all(engine, [PROMPTS[LONG]])
-    assert again_req.num_prefix_cached_tokens == (len(long_ids) - 1) // block_size * block_size
+    assert again_req.num_prefix_cached_tokens == (len(long_ids) - 1) // kv_block_size * kv_block_size
     assert again.token_ids == first.token_ids == qwen3.reference[LONG]
 
     # A different prompt that shares the first blocks hits them, then computes the rest.
     other_ids = engine.tokenizer(PROMPTS[LONG + 1]).input_ids
-    shared_blocks = common_prefix(long_ids, other_ids) // block_size
+    shared_blocks = common_prefix(long_ids, other_ids) // kv_block_size
     assert shared_blocks >= 1
     (other,), (other_req,) = run_all(engine, [PROMPTS[LONG + 1]])
-    assert other_req.num_prefix_cached_tokens == shared_blocks * block_size
+    assert other_req.num_prefix_cached_tokens == shared_blocks * kv_block_size
     assert other.token_ids == qwen3.reference[LONG + 1]
 
 
@@ -279,15 +279,15 @@ def test_prefix_cache_at_block_boundaries(qwen3):
     (2 hit) and 2 blocks - 1: the same tokens as without prefix caching."""
     engine = make_engine(qwen3.ov_dir)
     uncached = make_engine(qwen3.ov_dir, enable_prefix_caching=False)
-    block_size = engine.runner.block_size
+    kv_block_size = engine.runner.kv_block_size
     long_ids = engine.tokenizer(PROMPTS[LONG + 1]).input_ids
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
-    for length, hit_blocks in ((2 * block_size, 1), (2 * block_size + 1, 2), (2 * block_size - 1, 1)):
+    for length, hit_blocks in ((2 * kv_block_size, 1), (2 * kv_block_size + 1, 2), (2 * kv_block_size - 1, 1)):
         prompt = long_ids[:length]
         (expected,), _ = run_all(uncached, [prompt], params)
         (first,), _ = run_all(engine, [prompt], params)
         (again,), (again_req,) = run_all(engine, [prompt], params)
-        assert again_req.num_prefix_cached_tokens == hit_blocks * block_size, length
+        assert again_req.num_prefix_cached_tokens == hit_blocks * kv_block_size, length
         assert first.token_ids == again.token_ids == expected.token_ids, length
 
 

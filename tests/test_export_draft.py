@@ -251,7 +251,7 @@ def test_build_target_layer_ids_follows_z_lab_rule():
 def test_configs_of_both_layouts(drafts):
     dflash = load_draft_config(drafts["dflash"])
     assert (dflash.kind, dflash.candidate_position_offset, dflash.markov_rank) == ("dflash", 1, 0)
-    assert dflash.target_layer_ids == (0, 2) and dflash.block_size == 4
+    assert dflash.target_layer_ids == (0, 2) and dflash.draft_block_size == 4
     assert (dflash.hidden_size, dflash.num_attention_heads, dflash.num_key_value_heads, dflash.head_dim) == (64, 4, 2, 16)
     assert dflash.mask_token_id == 3  # the tiny target tokenizer's <|mask|>
     assert dflash.markov_head_type is None and dflash.sliding_window is None
@@ -502,7 +502,7 @@ def test_rt_info_follows_the_contract(exported, core, name, offset, markov):
         assert rt(model, "dflash", "markov_head_type") == "vanilla"
 
     meta = read_draft_metadata(model)
-    assert meta.target_layer_ids == (0, 2) and meta.block_size == 4 and meta.mask_token_id == 3
+    assert meta.target_layer_ids == (0, 2) and meta.draft_block_size == 4 and meta.mask_token_id == 3
     assert meta.candidate_position_offset == int(offset) and meta.markov_rank == int(markov) and meta.per_row
     assert (exported[name] / MARKOV_HEAD_FILE).exists() == (markov != "0")
 

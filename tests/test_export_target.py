@@ -202,15 +202,15 @@ def test_hidden_state_outputs_survive_paged_attention(exports):
             shape = port.get_partial_shape()
             dims = [4] + [shape[i].get_length() for i in range(1, shape.rank.get_length())]
             request.set_tensor(name, ov.Tensor(port.get_element_type(), dims))
-    block_size = compiled.input("key_cache.0").get_partial_shape()[2].get_length()
+    kv_block_size = compiled.input("key_cache.0").get_partial_shape()[2].get_length()
     result = request.infer(
         {
             "input_ids": input_ids[0],
             "position_ids": np.arange(tokens, dtype=np.int64),
             "past_lens": np.array([0], dtype=np.int32),
             "subsequence_begins": np.array([0, tokens], dtype=np.int32),
-            "block_indices": np.arange(-(-tokens // block_size), dtype=np.int32),
-            "block_indices_begins": np.array([0, -(-tokens // block_size)], dtype=np.int32),
+            "block_indices": np.arange(-(-tokens // kv_block_size), dtype=np.int32),
+            "block_indices_begins": np.array([0, -(-tokens // kv_block_size)], dtype=np.int32),
             "max_context_len": np.array(tokens, dtype=np.int32),
         }
     )

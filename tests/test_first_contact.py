@@ -173,7 +173,7 @@ def test_the_old_bench_json_file_spelling_names_the_new_one(tmp_path, monkeypatc
 def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("first-contact")
     target_hf = make_tiny_target(root / "hf-target", "qwen3", seed=3, num_hidden_layers=2, initializer_range=0.2)
-    draft_hf = make_tiny_draft(root / "hf-draft", target_hf, kind="dflash", block_size=4, seed=11, num_layers=1)
+    draft_hf = make_tiny_draft(root / "hf-draft", target_hf, kind="dflash", draft_block_size=4, seed=11, num_layers=1)
     return export_target(target_hf, root / "target", weight_format="fp32"), export_draft(draft_hf, root / "draft", weight_format="fp32")
 
 

@@ -119,7 +119,7 @@ def random_pair(tmp_path_factory, sharp_qwen3) -> Pair:
     for prompt, tokens in zip(PROMPTS, reference):
         chain = tokenizer(prompt).input_ids[-1:] + tokens
         bigrams.update(zip(chain, chain[1:]))
-    src = make_tiny_draft(root / "draft-src", hf, kind="dspark", markov_rank=RANK, block_size=BLOCK_SIZE, seed=1)
+    src = make_tiny_draft(root / "draft-src", hf, kind="dspark", markov_rank=RANK, draft_block_size=BLOCK_SIZE, seed=1)
     _bigram_head(src, bigrams, scale=BIGRAM_SCALE)
     draft_dir = export_draft(src, root / "draft", weight_format="fp32")
     return Pair(target_dir, src, draft_dir, *_head_weights(src), reference)
@@ -474,7 +474,7 @@ def decided_pair(tmp_path_factory) -> Pair:
     successor = _successor(hf)
     assert [int(successor[t]) for t in CYCLE] == CYCLE[1:] + CYCLE[:1]
     target_dir = export_target(hf, root / "target", weight_format="fp32")
-    src = make_tiny_draft(root / "draft-src", hf, kind="dspark", markov_rank=DECIDED_RANK, block_size=BLOCK_SIZE)
+    src = make_tiny_draft(root / "draft-src", hf, kind="dspark", markov_rank=DECIDED_RANK, draft_block_size=BLOCK_SIZE)
     _shape_draft(src, successor)
     draft_dir = export_draft(src, root / "draft", weight_format="fp32")
     return Pair(target_dir, src, draft_dir, *_head_weights(src), _target_alone(target_dir, PROMPTS))

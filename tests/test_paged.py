@@ -78,7 +78,7 @@ class PagedRunner:
             self.request.set_tensor(name, tensor)
 
     def step(self, seqs: list[SequenceSlice], input_ids: np.ndarray) -> np.ndarray:
-        feeds = pack_paged_inputs(seqs, self.layout.block_size)
+        feeds = pack_paged_inputs(seqs, self.layout.kv_block_size)
         feeds["input_ids"] = fit_to_input(self.compiled.input("input_ids"), input_ids)  # [T]
         feeds["position_ids"] = fit_to_input(self.compiled.input("position_ids"), packed_positions(seqs))  # [T]
         logits = self.request.infer(feeds)["logits"]  # [T, 1, V]
@@ -153,12 +153,12 @@ def test_layout_of_f32_cache(paged):
     layout = read_kv_cache_layout(compiled)
     assert len(layout.layers) == info.num_layers
     value_shape = compiled.input("value_cache.0").get_partial_shape()
-    assert layout.block_size == value_shape[2].get_length()
+    assert layout.kv_block_size == value_shape[2].get_length()
     for layer in layout.layers:
         assert layer.key_type == layer.value_type == ov.Type.f32
-        assert layer.key_block_shape == layer.value_block_shape == (2, layout.block_size, 16)
+        assert layer.key_block_shape == layer.value_block_shape == (2, layout.kv_block_size, 16)
         assert (layer.key_head_size, layer.value_head_size, layer.num_kv_heads) == (16, 16, 2)
-    assert layout.bytes_per_block == 4 * 2 * (2 * layout.block_size * 16 * 4)
+    assert layout.bytes_per_block == 4 * 2 * (2 * layout.kv_block_size * 16 * 4)
 
 
 def test_layout_of_u8_cache_reads_block_size_from_values(target):
@@ -170,8 +170,8 @@ def test_layout_of_u8_cache_reads_block_size_from_values(target):
     layer = layout.layers[0]
     assert layer.key_type == layer.value_type == ov.Type.u8
     # Keys carry per-channel scale/zero-point rows on the block axis, values per-token ones per row.
-    assert layer.key_block_shape[1] != layout.block_size
-    assert layer.value_block_shape[1] == layout.block_size
+    assert layer.key_block_shape[1] != layout.kv_block_size
+    assert layer.value_block_shape[1] == layout.kv_block_size
     assert layer.value_block_shape[2] != layer.value_head_size
     assert layer.key_head_size == info.layers[0].key_head_size
     assert layer.value_head_size == info.layers[0].value_head_size
@@ -185,7 +185,7 @@ def test_allocated_caches_are_zeroed_and_named(paged):
     caches = allocate_kv_caches(layout, num_blocks=5)
     assert set(caches) == {f"{kind}_cache.{i}" for kind in ("key", "value") for i in range(4)}
     for tensor in caches.values():
-        assert list(tensor.shape) == [5, 2, layout.block_size, 16]
+        assert list(tensor.shape) == [5, 2, layout.kv_block_size, 16]
         assert not tensor.data.any()
 
 
@@ -195,7 +195,7 @@ def test_allocated_caches_are_zeroed_and_named(paged):
 
 def test_pack_paged_inputs_values_and_types():
     seqs = [SequenceSlice(past_len=30, num_new_rows=5, block_table=[7, 2, 9]), SequenceSlice(0, 3, [4, 5])]
-    packed = pack_paged_inputs(seqs, block_size=32)
+    packed = pack_paged_inputs(seqs, kv_block_size=32)
     assert {name: array.dtype for name, array in packed.items()} == dict.fromkeys(packed, np.dtype(np.int32))
     assert packed["past_lens"].tolist() == [30, 0]
     assert packed["subsequence_begins"].tolist() == [0, 5, 8]
@@ -208,11 +208,11 @@ def test_pack_paged_inputs_values_and_types():
 
 def test_pack_paged_inputs_rejects_bad_slices():
     with pytest.raises(ValueError, match="cannot hold"):
-        pack_paged_inputs([SequenceSlice(30, 5, [1])], block_size=32)
+        pack_paged_inputs([SequenceSlice(30, 5, [1])], kv_block_size=32)
     with pytest.raises(ValueError, match="num_new_rows"):
-        pack_paged_inputs([SequenceSlice(3, 0, [1])], block_size=32)
+        pack_paged_inputs([SequenceSlice(3, 0, [1])], kv_block_size=32)
     with pytest.raises(ValueError, match="at least one"):
-        pack_paged_inputs([], block_size=32)
+        pack_paged_inputs([], kv_block_size=32)
 
 
 def test_fit_to_input_matches_each_input_rank(paged):

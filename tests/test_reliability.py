@@ -94,7 +94,7 @@ def assert_case(key: str, code: int, stderr: str) -> None:
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("reliability")
     target_hf = make_tiny_target(root / "hf-target", "qwen3", seed=3, num_hidden_layers=2)
-    draft_hf = make_tiny_draft(root / "hf-draft", target_hf, kind="dflash", block_size=4, seed=11, num_layers=1)
+    draft_hf = make_tiny_draft(root / "hf-draft", target_hf, kind="dflash", draft_block_size=4, seed=11, num_layers=1)
     target = export_target(target_hf, root / "ov-target", weight_format="fp32")
     draft = export_draft(draft_hf, root / "ov-draft", weight_format="fp32")
     prompts = root / "prompts.txt"

@@ -130,9 +130,9 @@ def _target_logits(hf: Path) -> np.ndarray:
 def pair(tmp_path_factory) -> Pair:
     root = tmp_path_factory.mktemp("sampling")
     chain_hf, succ = make_chain_target(root / "hf-chain")
-    dflash = make_scaled_draft(root / "hf-dflash-zero", chain_hf, "dflash", 0.0, block_size=BLOCK_SIZE, num_layers=1)
+    dflash = make_scaled_draft(root / "hf-dflash-zero", chain_hf, "dflash", 0.0, draft_block_size=BLOCK_SIZE, num_layers=1)
     dspark = make_tiny_draft(root / "hf-dspark", chain_hf, kind="dspark", markov_rank=MARKOV_RANK,
-                             block_size=BLOCK_SIZE, num_layers=1, seed=2)  # fmt: skip
+                             draft_block_size=BLOCK_SIZE, num_layers=1, seed=2)  # fmt: skip
     edit_weights(dspark, lambda w: (scale_residual_writes(w, 0.0), unit_final_norm(w)))
     _markov_toward_successors(dspark, succ)
     return Pair(

@@ -364,7 +364,7 @@ class FakePagedModel:
     def __init__(self, scheduler: Scheduler):
         pool = scheduler.kv_cache_manager.pool
         self.scheduler = scheduler
-        self.slots: list[int | None] = [None] * (pool.num_blocks * pool.block_size)
+        self.slots: list[int | None] = [None] * (pool.num_blocks * pool.kv_block_size)
 
     def _slot(self, block_table: list[int], position: int) -> int:
         return block_table[position // BLOCK_SIZE] * BLOCK_SIZE + position % BLOCK_SIZE

@@ -100,8 +100,8 @@ class Models:
 
 
 def _draft(root: Path, target_hf: Path, name: str, kind: str, factor: float, weight_format: str = "fp32",
-           block_size: int = 4, num_layers: int = 2) -> Path:  # fmt: skip
-    hf = make_scaled_draft(root / f"hf-{name}", target_hf, kind, factor, block_size=block_size, num_layers=num_layers)
+           draft_block_size: int = 4, num_layers: int = 2) -> Path:  # fmt: skip
+    hf = make_scaled_draft(root / f"hf-{name}", target_hf, kind, factor, draft_block_size=draft_block_size, num_layers=num_layers)
     return export_draft(hf, root / f"ov-{name}", weight_format=weight_format)
 
 
@@ -114,7 +114,7 @@ def models(tmp_path_factory) -> Models:
     chain_hf, succ = make_chain_target(root / "hf-chain")
     drafts = {
         "dspark_ctx": _draft(root, mixed_hf, "dspark_ctx", "dspark", 0.01),
-        "dflash_ctx": _draft(root, mixed_hf, "dflash_ctx", "dflash", 1.0, block_size=5),
+        "dflash_ctx": _draft(root, mixed_hf, "dflash_ctx", "dflash", 1.0, draft_block_size=5),
         "dspark_ctx_int8": _draft(root, mixed_hf, "dspark_ctx_int8", "dspark", 0.01, weight_format="int8"),
         "dspark_zero": _draft(root, mixed_hf, "dspark_zero", "dspark", 0.0, num_layers=1),
         "dflash_zero": _draft(root, mixed_hf, "dflash_zero", "dflash", 0.0, num_layers=1),
@@ -686,11 +686,11 @@ def test_staggered_arrivals_with_mixed_num_assistant_tokens(engines, mixed_refer
 def test_prefix_cache_hits_on_both_pipelines(engines, mixed_reference, baseline, draft):
     engine = engines.get("mixed", draft)
     log = engines.log(engine)
-    block_size = engine.block_pool.block_size
-    assert engine.drafter.kv_cache_manager.block_size == block_size
+    kv_block_size = engine.block_pool.kv_block_size
+    assert engine.drafter.kv_cache_manager.kv_block_size == kv_block_size
     prompt_len = len(ids_of(engine, [LONG])[0])
-    expected_hit = (prompt_len - 1) // block_size * block_size
-    assert expected_hit >= 2 * block_size
+    expected_hit = (prompt_len - 1) // kv_block_size * kv_block_size
+    assert expected_hit >= 2 * kv_block_size
     first = run_all(engine, [LONG])
     log.entries.clear()
     restored_before = engine.drafter.num_restored_tokens

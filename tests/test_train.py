@@ -236,7 +236,7 @@ def test_loss_gamma_and_schedule():
 def test_batched_blocks_equal_the_per_row_draft(root, target_src, layers):
     """Each block of the batched training forward is DraftModel's per-row call [context < anchor; block]."""
     name = "eq_sliding" if layers else "eq"
-    make_tiny_draft(root / name, target_src, block_size=4, num_key_value_heads=2, seed=5, **layers)
+    make_tiny_draft(root / name, target_src, draft_block_size=4, num_key_value_heads=2, seed=5, **layers)
     model = load_draft_model(root / name)
     block, hidden, k = 4, model.config.hidden_size, model.config.num_target_features
     generator = torch.Generator().manual_seed(0)
@@ -294,7 +294,7 @@ def test_checkpoint_is_the_source_format(root, trained, target, kind):
     config = load_draft_config(folder)
     names = _tensor_names(folder)
     mask_id = target.tokenizer.convert_tokens_to_ids("<|mask|>")
-    assert config.kind == kind and config.block_size == BLOCK[kind] and config.mask_token_id == mask_id
+    assert config.kind == kind and config.draft_block_size == BLOCK[kind] and config.mask_token_id == mask_id
     assert config.target_layer_ids == tuple(trained[kind].target_layer_ids)
     if kind == "dflash":
         assert raw["architectures"] == ["DFlashDraftModel"] and raw["model_type"] == "qwen3"
@@ -328,7 +328,7 @@ def test_checkpoint_reloads_as_the_trained_draft(root, trained, kind):
     reloaded = load_draft_model(folder, config)
     generator = torch.Generator().manual_seed(1)
     features = torch.randn(1, 9, config.num_target_features * config.hidden_size, generator=generator)
-    embeds = torch.randn(1, 2, config.block_size, config.hidden_size, generator=generator)
+    embeds = torch.randn(1, 2, config.draft_block_size, config.hidden_size, generator=generator)
     anchors = torch.tensor([[3, 6]])
     with torch.no_grad():
         expected = blocks_forward(trained_model.model, features, embeds, anchors)
