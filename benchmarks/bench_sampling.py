@@ -95,9 +95,18 @@ def main() -> None:
     progress = _Print()
     report = run_bench(options, progress)
     print(f"\n{report.status} in {time.perf_counter() - started:.0f} s\n")
+    per_cpu = {s.name: s.num_generated_tokens * s.rounds / progress.cpu_s[s.name] for s in report.settings if progress.cpu_s.get(s.name)}
+    _print_table(report, per_cpu)
+    _print_goal(report, per_cpu)
+    if args.json is not None:
+        args.json.write_text(json.dumps(report.to_json(), indent=1))
+        print(f"wrote {args.json}")
+
+
+def _print_table(report, per_cpu: dict[str, float]) -> None:
+    """One markdown row per setting: throughput, speedup, acceptance, draft shares."""
     print("| setting | tok/s | tok/CPU-s | speedup (range) | tau | acceptance 1-4 | drafting | draft share |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    per_cpu = {s.name: s.num_generated_tokens * s.rounds / progress.cpu_s[s.name] for s in report.settings if progress.cpu_s.get(s.name)}
     for s in report.settings:
         spec = s.spec or {}
         tau = spec.get("mean_accepted_length")
@@ -110,6 +119,10 @@ def main() -> None:
         cpu = f"{per_cpu[s.name]:.2f}" if s.name in per_cpu else "-"
         print(f"| {s.name} | {s.tokens_per_s:.1f} | {cpu} | {speedup} | {'-' if tau is None else f'{tau:.2f}'} | {positions} "
               f"| {drafting} | {share} |")
+
+
+def _print_goal(report, per_cpu: dict[str, float]) -> None:
+    """Each sampled setting against the greedy speculative one, scaled by their acceptance."""
     greedy = next((s for s in report.speculative if not s.sampled), None)
     if greedy is not None and greedy.spec and greedy.spec.get("mean_accepted_length"):
         # The same bar from each setting's speedup over its own baseline (run right before it), which
@@ -125,9 +138,6 @@ def main() -> None:
                 if s.name in per_cpu and greedy.name in per_cpu:
                     line += f"; per CPU second {per_cpu[s.name]:.2f} against {per_cpu[greedy.name] * scale:.2f}"
                 print(line)
-    if args.json is not None:
-        args.json.write_text(json.dumps(report.to_json(), indent=1))
-        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

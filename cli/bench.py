@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Annotated, Optional
 
 import typer
@@ -107,65 +108,88 @@ def bench(
 
     Runs the autoregressive baseline and every setting of the sweep (concurrency x num-assistant-tokens x schedule x markov-top-k) on the same prompts, each setting right after its baseline (--rounds N repeats that and takes the median ratio), EOS ignored, and, when greedy, compares every speculative output token for token with the baseline's. Exit codes: 0 ok; 1 an output differs with f32 inference (or with --strict), a request failed, or the mean accepted length is below --min-accepted-length; 2 usage; 130 interrupted (SIGINT), 143 terminated (SIGTERM): the finished settings are still written to --json-file, with status "interrupted".
     """
+    options = SimpleNamespace(**locals())  # the parsed options, as one value for the helpers below
     output = Output(json_mode=json_output, quiet=quiet)
     report = None
-    # Malformed option values are usage errors that click reports (exit 2), before anything loads.
-    concurrencies = _int_list(concurrency, "--concurrency", minimum=1)
-    assistant_tokens = _int_list(num_assistant_tokens, "--num-assistant-tokens", minimum=0, auto=True)
+    sweep = _parse_sweep(options)  # malformed values are usage errors (exit 2), before anything loads
+    with handled_errors(output, debug=debug):
+        report = _run_sweep(options, sweep, output)
+        _write_report(report, options, output)
+    _exit(report, options, output)
+
+
+def _parse_sweep(o: SimpleNamespace) -> SimpleNamespace:
+    """The comma-separated sweep options as lists; malformed values are usage errors that click
+    reports (exit 2)."""
+    concurrencies = _int_list(o.concurrency, "--concurrency", minimum=1)
+    assistant_tokens = _int_list(o.num_assistant_tokens, "--num-assistant-tokens", minimum=0, auto=True)
     if 0 in assistant_tokens:
         raise typer.BadParameter("0 (no drafting) is the baseline, which bench runs at every concurrency", param_hint="--num-assistant-tokens")
-    top_ks = _int_list(markov_top_k, "--markov-top-k", minimum=0, auto=True)
-    schedules = _choice_list(num_assistant_tokens_schedule, "--num-assistant-tokens-schedule", tuple(s.value for s in AssistantSchedule))
-    with handled_errors(output, debug=debug):
-        from dflash.bench.datasets import load_dataset
-        from dflash.bench.sweep import BenchOptions, run_bench
-        from dflash.core.errors import InputError
+    top_ks = _int_list(o.markov_top_k, "--markov-top-k", minimum=0, auto=True)
+    schedules = _choice_list(o.num_assistant_tokens_schedule, "--num-assistant-tokens-schedule", tuple(s.value for s in AssistantSchedule))
+    return SimpleNamespace(concurrencies=concurrencies, assistant_tokens=assistant_tokens, top_ks=top_ks, schedules=schedules)
 
-        config = engine_config(
-            device=device, ov_config=ov_config, kv_cache_size=kv_cache_size, draft_kv_cache_size=draft_kv_cache_size,
-            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max(concurrencies),
-            prefix_caching=prefix_caching, dynamic_split_fuse=dynamic_split_fuse,
-        )  # fmt: skip
-        sampling = sampling_params(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-        if target_dir is not None and json_output and target_dir.suffix == ".json" and not target_dir.is_dir():
-            raise InputError(f"--json takes no file name (it prints the report on stdout); {target_dir} was read as TARGET_DIR",
-                             f"write the report to a file with --json-file {target_dir}")  # fmt: skip
-        if plot is not None:
-            _require_matplotlib()
-            check_writable(plot, "--plot")
-        if json_file is not None:  # checked now, not after an hour of benchmarking
-            check_writable(json_file, "--json-file")
-        prompts = load_dataset(dataset, num_prompts)
-        if target_dir is not None and draft is None:
-            raise InputError("a target needs a draft to benchmark", "pass --draft DRAFT_DIR, or no TARGET_DIR for the embedded pair")
-        target_dir, draft = _resolve_pair(target_dir, draft, default_draft.value, output)
-        options = BenchOptions(
-            target_dir=target_dir, draft_dir=draft, prompts=prompts, engine_config=config,
-            max_new_tokens=max_new_tokens, concurrencies=concurrencies, num_assistant_tokens=assistant_tokens,
-            schedules=schedules, markov_top_ks=top_ks, chat=chat, warmup=warmup, rounds=rounds,
-            baseline=not no_baseline, dataset=dataset, sampling=sampling,
-        )  # fmt: skip
-        with _LiveProgress(output, json_file) as progress:
-            report = run_bench(options, progress)
-        from dflash.exporters import interrupts
 
-        with interrupts.deferred():  # a signal now waits until the figures are written
-            _print_tables(report, output)
-            if json_output:
-                output.json(report.to_json())
-            if json_file is not None:
-                _write_json(report, json_file)
-                output.info(f"[dim]wrote {escape(str(json_file))}[/dim]")
-            if plot is not None and report.settings:
-                plot_report(report, plot)
-                output.info(f"[dim]wrote {escape(str(plot))}[/dim]")
+def _run_sweep(o: SimpleNamespace, sweep: SimpleNamespace, output: Output):
+    """Check the inputs and output files, resolve the pair and run the sweep; return its report."""
+    from dflash.bench.datasets import load_dataset
+    from dflash.bench.sweep import BenchOptions, run_bench
+    from dflash.core.errors import InputError
+
+    config = engine_config(
+        device=o.device, ov_config=o.ov_config, kv_cache_size=o.kv_cache_size, draft_kv_cache_size=o.draft_kv_cache_size,
+        max_num_batched_tokens=o.max_num_batched_tokens, max_num_seqs=max(sweep.concurrencies),
+        prefix_caching=o.prefix_caching, dynamic_split_fuse=o.dynamic_split_fuse,
+    )  # fmt: skip
+    sampling = sampling_params(temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, seed=o.seed)
+    target_dir = o.target_dir
+    if target_dir is not None and o.json_output and target_dir.suffix == ".json" and not target_dir.is_dir():
+        raise InputError(f"--json takes no file name (it prints the report on stdout); {target_dir} was read as TARGET_DIR",
+                         f"write the report to a file with --json-file {target_dir}")  # fmt: skip
+    if o.plot is not None:
+        _require_matplotlib()
+        check_writable(o.plot, "--plot")
+    if o.json_file is not None:  # checked now, not after an hour of benchmarking
+        check_writable(o.json_file, "--json-file")
+    prompts = load_dataset(o.dataset, o.num_prompts)
+    if target_dir is not None and o.draft is None:
+        raise InputError("a target needs a draft to benchmark", "pass --draft DRAFT_DIR, or no TARGET_DIR for the embedded pair")
+    target_dir, draft = _resolve_pair(target_dir, o.draft, o.default_draft.value, output)
+    options = BenchOptions(
+        target_dir=target_dir, draft_dir=draft, prompts=prompts, engine_config=config,
+        max_new_tokens=o.max_new_tokens, concurrencies=sweep.concurrencies, num_assistant_tokens=sweep.assistant_tokens,
+        schedules=sweep.schedules, markov_top_ks=sweep.top_ks, chat=o.chat, warmup=o.warmup, rounds=o.rounds,
+        baseline=not o.no_baseline, dataset=o.dataset, sampling=sampling,
+    )  # fmt: skip
+    with _LiveProgress(output, o.json_file) as progress:
+        return run_bench(options, progress)
+
+
+def _write_report(report, o: SimpleNamespace, output: Output) -> None:
+    """The tables (stdout, or stderr with --json), the JSON report and the plot."""
+    from dflash.exporters import interrupts
+
+    with interrupts.deferred():  # a signal now waits until the figures are written
+        _print_tables(report, output)
+        if o.json_output:
+            output.json(report.to_json())
+        if o.json_file is not None:
+            _write_json(report, o.json_file)
+            output.info(f"[dim]wrote {escape(str(o.json_file))}[/dim]")
+        if o.plot is not None and report.settings:
+            plot_report(report, o.plot)
+            output.info(f"[dim]wrote {escape(str(o.plot))}[/dim]")
+
+
+def _exit(report, o: SimpleNamespace, output: Output) -> None:
+    """Exit with the run's verdict: interrupted, or what the outputs and acceptance say."""
     if report.status == "interrupted":
         from dflash.exporters.interrupts import exit_code, interrupted_by
 
         what = "terminated (SIGTERM)" if interrupted_by() == 15 else "interrupted"
-        output.error(what + (f"; the finished settings are in {json_file}" if json_file else ""))
+        output.error(what + (f"; the finished settings are in {o.json_file}" if o.json_file else ""))
         raise typer.Exit(exit_code(EXIT_INTERRUPTED))
-    raise typer.Exit(_verdict(report, output, strict=strict, min_accepted_length=min_accepted_length))
+    raise typer.Exit(_verdict(report, output, strict=o.strict, min_accepted_length=o.min_accepted_length))
 
 
 # ---- options ----------------------------------------------------------------------------------------------

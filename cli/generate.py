@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Annotated, Optional
 
 import typer
@@ -105,54 +106,66 @@ def generate(
     a draft, spec_decoding. On SIGINT/SIGTERM the running requests get their line (finish_reason
     "abort") and the exit code is 130/143.
     """
+    options = SimpleNamespace(**locals())  # the parsed options, as one value for the helpers below
     output = Output(json_mode=json_output, quiet=quiet)
     run = _Run(output)
     with handled_errors(output, debug=debug):
-        from dflash.core.engine import LLMEngine
-        from dflash.core.errors import InputError
-        from dflash.core.prompts import read_prompts_file
-
-        # Everything a user can get wrong is checked before the first-use export or any loading.
-        config = engine_config(
-            device=device, ov_config=ov_config, kv_cache_size=kv_cache_size, draft_kv_cache_size=draft_kv_cache_size,
-            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, prefix_caching=prefix_caching,
-            dynamic_split_fuse=dynamic_split_fuse, markov_top_k=markov_top_k,
-        )  # fmt: skip
-        params = sampling_params(
-            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_new_tokens=max_new_tokens,
-            ignore_eos=ignore_eos, num_assistant_tokens=num_assistant_tokens,
-            num_assistant_tokens_schedule=num_assistant_tokens_schedule.value,
-        )  # fmt: skip
-        target_dir, prompts = _split_target_and_prompts(target_dir, prompts)
-        all_prompts = prompts + (read_prompts_file(prompts_file) if prompts_file else [])
-        if not all_prompts:
-            raise InputError("no prompts given", "pass PROMPT arguments or --prompts-file FILE")
-        with_draft = num_assistant_tokens != 0
-        if not with_draft and draft is not None:
-            output.info("[dim]--num-assistant-tokens 0: the target alone; the draft is not loaded[/dim]")
-        target_dir, draft = _resolve_models(target_dir, draft if with_draft else None, default_draft.value, with_draft, output)
-        _check_prompt_lengths(all_prompts, target_dir)
-        with output.status(f"Loading {target_dir}" + (f" with draft {draft}" if draft else "")):
-            engine = LLMEngine(target_dir, config, draft_dir=draft)
-        use_chat = chat if chat is not None else bool(getattr(engine.tokenizer, "chat_template", None))
-        run.streamed = len(all_prompts) == 1 and not json_output
-        run.num_requests = len(all_prompts)
-        # SIGINT, SIGTERM or a failure mid-run: what finished is already written (--json) or is printed
-        # by close(), so nothing is lost; a signal during close() is recorded, not raised.
-        try:
-            if run.streamed:
-                _stream_one(engine, all_prompts[0], params, use_chat, run)
-            else:
-                _run_many(engine, all_prompts, params, use_chat, run)
-        except KeyboardInterrupt:
-            run.close(engine, interrupted=True)
-            raise
-        except BaseException:
-            run.close(engine, interrupted=False)
-            raise
-        run.close(engine, interrupted=False)
+        engine, all_prompts, params, use_chat = _load(options, output)
+        _execute(engine, all_prompts, params, use_chat, run, streamed=len(all_prompts) == 1 and not json_output)
     if run.num_failed:
         raise typer.Exit(1)
+
+
+def _load(o: SimpleNamespace, output: Output) -> tuple:
+    """Check everything a user can get wrong, then load the engine: (engine, prompts, params, chat)."""
+    from dflash.core.engine import LLMEngine
+    from dflash.core.errors import InputError
+    from dflash.core.prompts import read_prompts_file
+
+    # Everything a user can get wrong is checked before the first-use export or any loading.
+    config = engine_config(
+        device=o.device, ov_config=o.ov_config, kv_cache_size=o.kv_cache_size, draft_kv_cache_size=o.draft_kv_cache_size,
+        max_num_batched_tokens=o.max_num_batched_tokens, max_num_seqs=o.max_num_seqs, prefix_caching=o.prefix_caching,
+        dynamic_split_fuse=o.dynamic_split_fuse, markov_top_k=o.markov_top_k,
+    )  # fmt: skip
+    params = sampling_params(
+        temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, seed=o.seed, max_new_tokens=o.max_new_tokens,
+        ignore_eos=o.ignore_eos, num_assistant_tokens=o.num_assistant_tokens,
+        num_assistant_tokens_schedule=o.num_assistant_tokens_schedule.value,
+    )  # fmt: skip
+    target_dir, prompts = _split_target_and_prompts(o.target_dir, o.prompts)
+    all_prompts = prompts + (read_prompts_file(o.prompts_file) if o.prompts_file else [])
+    if not all_prompts:
+        raise InputError("no prompts given", "pass PROMPT arguments or --prompts-file FILE")
+    with_draft = o.num_assistant_tokens != 0
+    if not with_draft and o.draft is not None:
+        output.info("[dim]--num-assistant-tokens 0: the target alone; the draft is not loaded[/dim]")
+    target_dir, draft = _resolve_models(target_dir, o.draft if with_draft else None, o.default_draft.value, with_draft, output)
+    _check_prompt_lengths(all_prompts, target_dir)
+    with output.status(f"Loading {target_dir}" + (f" with draft {draft}" if draft else "")):
+        engine = LLMEngine(target_dir, config, draft_dir=draft)
+    use_chat = o.chat if o.chat is not None else bool(getattr(engine.tokenizer, "chat_template", None))
+    return engine, all_prompts, params, use_chat
+
+
+def _execute(engine, all_prompts: list, params, use_chat: bool, run: _Run, *, streamed: bool) -> None:
+    """Run the prompts: one streams its text, several run together; `run` gets every result."""
+    run.streamed = streamed
+    run.num_requests = len(all_prompts)
+    # SIGINT, SIGTERM or a failure mid-run: what finished is already written (--json) or is printed
+    # by close(), so nothing is lost; a signal during close() is recorded, not raised.
+    try:
+        if run.streamed:
+            _stream_one(engine, all_prompts[0], params, use_chat, run)
+        else:
+            _run_many(engine, all_prompts, params, use_chat, run)
+    except KeyboardInterrupt:
+        run.close(engine, interrupted=True)
+        raise
+    except BaseException:
+        run.close(engine, interrupted=False)
+        raise
+    run.close(engine, interrupted=False)
 
 
 class _Run:

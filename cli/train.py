@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Annotated, Any, Iterator, Optional
 
 import typer
@@ -92,111 +94,137 @@ def train(
 
     Data: the target's own answers (chat template) to built-in prompts (coding and general instructions, no benchmark set) or to --prompts, or stretches of real text/code (--text-from); --data reuses files written earlier. Before training the data are decontaminated against benchmarks (--decontaminate, report in OUTPUT_DIR/decontamination.json), deduplicated (exact and near-duplicate answers) and split by prompt, so the held-out tau is measured on prompts training never saw. Training distils the target: random anchors, blocks of the anchor and mask tokens reading the target's hidden states, KL (or TV) to the target's distribution plus a little cross-entropy, with position decay; --kind dspark predicts from the anchor row and adds the Markov head. --resume continues a run; --stop-after / --save-every make a run fit in time slots. The checkpoint is in the z-lab (dflash) or DeepSpec (dspark) format that `dflash export` reads.
     """
-    import time
-
+    options = SimpleNamespace(**locals())  # the parsed options, as one value for the helpers below
     started = time.monotonic()
     output = Output(json_mode=json_output, quiet=quiet)
     with handled_errors(output, debug=debug):
-        from dflash.core.errors import InputError
-        from dflash.training.data import builtin_prompts, generate_dataset, read_prompts
-        from dflash.training.target import load_target, resolve_device
-        from dflash.training.trainer import TrainOptions
+        _run(options, started, output)
 
-        if data is not None and (generate_data is not None or prompts is not None or text_from):
-            raise InputError("--data cannot be combined with --generate-data, --prompts or --text-from", hint="pick one data source")
-        if data_only and data is not None:
-            raise InputError("--data-only generates data; it cannot be combined with --data", hint="drop --data")
-        if text_from and not data_only:
-            raise InputError("--text-from writes a data file: use it with --data-only", hint="then train with --data FILE")
-        if generate_data is not None and generate_data < 1:
-            raise InputError("--generate-data needs a positive number of prompts", hint="e.g. --generate-data 1000")
-        options = TrainOptions(
-            kind=kind.value,
-            block_size=draft_block_size,  # TrainOptions' field name (training/): the draft's block
-            num_layers=num_layers,
-            markov_rank=markov_rank,
-            target_layer_ids=_parse_layer_ids(target_layer_ids),
-            mask_token_id=mask_token_id,
-            num_anchors=num_anchors,
-            batch_size=batch_size,
-            steps=steps,
-            epochs=epochs,
-            lr=lr,
-            loss=loss,
-            ce_weight=ce_weight,
-            on_policy=on_policy,
-            max_length=max_length,
-            time_limit_s=time_limit,
-            seed=seed,
-            log_every=log_every,
-            save_dtype=save_dtype.value,
-            max_shard_mb=max_shard_mb,
-        ).resolved()
 
-        torch_device = resolve_device(device.value if device else None)
-        with output.status(f"Loading {target} on {torch_device}"):
-            loaded = load_target(target, torch_device)
-        summary: dict[str, Any] = {"target": str(target), "device": str(torch_device)}
-        index = _benchmark_index(loaded.tokenizer, decontaminate, ngram, output)
-        exclude = (lambda ids: index.match(ids) is not None) if index is not None else None
+def _run(o: SimpleNamespace, started: float, output: Output) -> None:
+    """Check the options, load the target, make or read the data and train (unless --data-only)."""
+    from dflash.training.target import load_target, resolve_device
 
-        if data is None and text_from:
-            from dflash.training.corpus import source_files, text_dataset
+    _check_data_options(o)
+    options = _train_options(o)
+    torch_device = resolve_device(o.device.value if o.device else None)
+    with output.status(f"Loading {o.target} on {torch_device}"):
+        loaded = load_target(o.target, torch_device)
+    summary: dict[str, Any] = {"target": str(o.target), "device": str(torch_device)}
+    index = _benchmark_index(loaded.tokenizer, o.decontaminate, o.ngram, output)
+    exclude = (lambda ids: index.match(ids) is not None) if index is not None else None
 
-            path = save_data or output_dir / DATA_FILE
-            files = source_files(text_from)
-            with output.status(f"Cutting {len(files)} files into training stretches"):
-                counts = text_dataset(loaded.tokenizer, files, path, max_tokens=text_tokens, exclude=exclude)
-            output.success(f"{counts['sequences']} stretches, {counts['tokens']} tokens from {counts['files']} files "
-                           f"({counts['excluded']} excluded by decontamination) written to {path}")
-            summary["text"] = counts
-            summary["data"] = str(path)
-            if json_output:
-                output.json(summary)
-            return
-        if data is None:
-            path = save_data or output_dir / DATA_FILE
-            prompt_list = read_prompts(prompts) if prompts else builtin_prompts()
-            prompt_list = prompt_list[: generate_data or DEFAULT_PROMPTS]
-            with _progress(output, "Generating answers", len(prompt_list), "prompts", lines=True) as advance:
-                stats = generate_dataset(
-                    loaded,
-                    prompt_list,
-                    path,
-                    max_new_tokens=max_new_tokens,
-                    batch_size=gen_batch_size or (256 if torch_device.type == "cuda" else 8),
-                    time_limit_s=gen_time_limit,
-                    on_progress=lambda done, total, tokens: advance(done, f"{tokens} tokens"),
-                    temperature=temperature,
-                    ignore_eos=ignore_eos,
-                    seed=seed,
-                    exclude=exclude,
-                )
-            output.success(
-                f"{stats.sequences} answers, {stats.response_tokens} response tokens "
-                f"({stats.tokens_per_second:.0f} tokens/s) written to {path}"
-            )
-            summary["generation"] = stats.to_json()
-            data = [path]
-        summary["data"] = [str(p) for p in data]
-        if data_only:
-            if json_output:
-                output.json(summary)
-            return
-
-        result = _train(loaded, data, output_dir, options, index, output, summary, eval_sequences=eval_sequences,
-                        dedup_threshold=dedup_threshold, resume=resume, save_every=save_every,
-                        stop_after=None if stop_after is None else max(1.0, stop_after - (time.monotonic() - started)),
-                        eval_every=eval_every)
-        summary["training"] = result.to_json()
-        if json_output:
+    data = o.data
+    if data is None and o.text_from:
+        summary["text"], summary["data"] = _text_data(o, loaded, exclude, output)
+        if o.json_output:
             output.json(summary)
-        else:
-            after = result.eval_after
-            detail = f"; held-out tau {after.tau:.2f}, first-position accuracy {after.accuracy[0]:.1%}" if after else ""
-            state = "" if result.finished else " (stopped early: continue with --resume)"
-            output.success(f"{options.kind} draft written to {output_dir} after {result.steps} steps{state}{detail}")
-            output.info(f"next: dflash export {target} <out> --draft {output_dir}")
+        return
+    if data is None:
+        data = [_generated_data(o, loaded, torch_device, exclude, output, summary)]
+    summary["data"] = [str(p) for p in data]
+    if o.data_only:
+        if o.json_output:
+            output.json(summary)
+        return
+
+    result = _train(loaded, data, o.output_dir, options, index, output, summary, eval_sequences=o.eval_sequences,
+                    dedup_threshold=o.dedup_threshold, resume=o.resume, save_every=o.save_every,
+                    stop_after=None if o.stop_after is None else max(1.0, o.stop_after - (time.monotonic() - started)),
+                    eval_every=o.eval_every)
+    summary["training"] = result.to_json()
+    if o.json_output:
+        output.json(summary)
+    else:
+        after = result.eval_after
+        detail = f"; held-out tau {after.tau:.2f}, first-position accuracy {after.accuracy[0]:.1%}" if after else ""
+        state = "" if result.finished else " (stopped early: continue with --resume)"
+        output.success(f"{options.kind} draft written to {o.output_dir} after {result.steps} steps{state}{detail}")
+        output.info(f"next: dflash export {o.target} <out> --draft {o.output_dir}")
+
+
+def _check_data_options(o: SimpleNamespace) -> None:
+    """Refuse data options that contradict each other."""
+    from dflash.core.errors import InputError
+
+    if o.data is not None and (o.generate_data is not None or o.prompts is not None or o.text_from):
+        raise InputError("--data cannot be combined with --generate-data, --prompts or --text-from", hint="pick one data source")
+    if o.data_only and o.data is not None:
+        raise InputError("--data-only generates data; it cannot be combined with --data", hint="drop --data")
+    if o.text_from and not o.data_only:
+        raise InputError("--text-from writes a data file: use it with --data-only", hint="then train with --data FILE")
+    if o.generate_data is not None and o.generate_data < 1:
+        raise InputError("--generate-data needs a positive number of prompts", hint="e.g. --generate-data 1000")
+
+
+def _train_options(o: SimpleNamespace):
+    """The trainer's options from the command's, defaults resolved."""
+    from dflash.training.trainer import TrainOptions
+
+    return TrainOptions(
+        kind=o.kind.value,
+        block_size=o.draft_block_size,  # TrainOptions' field name (training/): the draft's block
+        num_layers=o.num_layers,
+        markov_rank=o.markov_rank,
+        target_layer_ids=_parse_layer_ids(o.target_layer_ids),
+        mask_token_id=o.mask_token_id,
+        num_anchors=o.num_anchors,
+        batch_size=o.batch_size,
+        steps=o.steps,
+        epochs=o.epochs,
+        lr=o.lr,
+        loss=o.loss,
+        ce_weight=o.ce_weight,
+        on_policy=o.on_policy,
+        max_length=o.max_length,
+        time_limit_s=o.time_limit,
+        seed=o.seed,
+        log_every=o.log_every,
+        save_dtype=o.save_dtype.value,
+        max_shard_mb=o.max_shard_mb,
+    ).resolved()
+
+
+def _text_data(o: SimpleNamespace, loaded, exclude, output: Output) -> tuple[dict[str, Any], str]:
+    """--text-from: cut the files into training stretches; return the counts and the data file."""
+    from dflash.training.corpus import source_files, text_dataset
+
+    path = o.save_data or o.output_dir / DATA_FILE
+    files = source_files(o.text_from)
+    with output.status(f"Cutting {len(files)} files into training stretches"):
+        counts = text_dataset(loaded.tokenizer, files, path, max_tokens=o.text_tokens, exclude=exclude)
+    output.success(f"{counts['sequences']} stretches, {counts['tokens']} tokens from {counts['files']} files "
+                   f"({counts['excluded']} excluded by decontamination) written to {path}")
+    return counts, str(path)
+
+
+def _generated_data(o: SimpleNamespace, loaded, torch_device, exclude, output: Output, summary: dict[str, Any]) -> Path:
+    """--generate-data (the default): the target answers the prompts; return the data file."""
+    from dflash.training.data import builtin_prompts, generate_dataset, read_prompts
+
+    path = o.save_data or o.output_dir / DATA_FILE
+    prompt_list = read_prompts(o.prompts) if o.prompts else builtin_prompts()
+    prompt_list = prompt_list[: o.generate_data or DEFAULT_PROMPTS]
+    with _progress(output, "Generating answers", len(prompt_list), "prompts", lines=True) as advance:
+        stats = generate_dataset(
+            loaded,
+            prompt_list,
+            path,
+            max_new_tokens=o.max_new_tokens,
+            batch_size=o.gen_batch_size or (256 if torch_device.type == "cuda" else 8),
+            time_limit_s=o.gen_time_limit,
+            on_progress=lambda done, total, tokens: advance(done, f"{tokens} tokens"),
+            temperature=o.temperature,
+            ignore_eos=o.ignore_eos,
+            seed=o.seed,
+            exclude=exclude,
+        )
+    output.success(
+        f"{stats.sequences} answers, {stats.response_tokens} response tokens "
+        f"({stats.tokens_per_second:.0f} tokens/s) written to {path}"
+    )
+    summary["generation"] = stats.to_json()
+    return path
 
 
 def _benchmark_index(tokenizer, specs: Optional[list[str]], ngram: int, output: Output):

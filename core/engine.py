@@ -34,7 +34,7 @@ import numpy as np
 
 from .config import EngineConfig, SamplingParams
 from .detokenizer import IncrementalDetokenizer
-from .drafter import Candidates, NoDrafter, TargetStep, draft_probs
+from .drafter import NoDrafter, TargetStep, draft_probs
 from .errors import InputError
 from .loading import load_pipelines
 from .metrics import SpecDecodingStats, StepTimes
@@ -150,11 +150,9 @@ class LLMEngine:
             target_step = self._run_target(sched, start)
             self.scheduler.update_from_output(sched, {req_id: v.tokens for req_id, v in target_step.verdicts.items()})
             outputs += [self._commit(req_id, verdict) for req_id, verdict in target_step.verdicts.items()]
-            self._set_candidates(self._draft(target_step))
+            self._draft(target_step)
         outputs += self._finished_by_scheduler(sched)
-        self.times.step_s += time.perf_counter() - start
-        self.times.num_steps += 1
-        self.times.target_infer_s, self.times.draft_infer_s = self.runner.infer_seconds, self.drafter.infer_seconds
+        self.times.end_step(time.perf_counter() - start, self.runner.infer_seconds, self.drafter.infer_seconds)
         return outputs
 
     def _run_target(self, sched: SchedulerOutput, step_start: float) -> TargetStep:
@@ -202,16 +200,12 @@ class LLMEngine:
         output.new_token_ids = verdict.tokens
         return output
 
-    def _draft(self, target_step: TargetStep) -> Candidates:
-        seconds_before = self.drafter.seconds  # the drafter times itself (the target alone: 0)
-        candidates = self.drafter.step(target_step)
-        self.times.draft_s += self.drafter.seconds - seconds_before
-        return candidates
-
-    def _set_candidates(self, candidates: Candidates) -> None:
+    def _draft(self, target_step: TargetStep) -> None:
         """The draft's candidates, verified by the next step (the scheduler may verify fewer)."""
-        for req_id, tokens in candidates.items():
+        seconds_before = self.drafter.seconds  # the drafter times itself (the target alone: 0)
+        for req_id, tokens in self.drafter.step(target_step).items():
             self.scheduler.get_request(req_id).spec_token_ids = tokens
+        self.times.draft_s += self.drafter.seconds - seconds_before
 
     def _finished_by_scheduler(self, sched: SchedulerOutput) -> list[RequestOutput]:
         """Requests the scheduler finished on its own (out of cache, unschedulable). The id may

@@ -103,6 +103,12 @@ class StepTimes:
         """Of the step time, the share outside the infer() calls."""
         return self.host_s / self.step_s if self.step_s > 0 else None
 
+    def end_step(self, step_s: float, target_infer_s: float, draft_infer_s: float) -> None:
+        """Book one engine step of `step_s` seconds; the infer() totals are the runners' own, since they started."""
+        self.step_s += step_s
+        self.num_steps += 1
+        self.target_infer_s, self.draft_infer_s = target_infer_s, draft_infer_s
+
     def __sub__(self, before: StepTimes) -> StepTimes:
         """The times between two readings (`engine.times` copied before, and read after)."""
         return StepTimes(*(getattr(self, f.name) - getattr(before, f.name) for f in fields(self)))

@@ -243,9 +243,33 @@ def make_tiny_draft(
         target_layer_ids = sorted({0, max(0, num_target_layers - 2)})
     if layer_types is None:
         layer_types = ["full_attention"] * num_layers
+    backbone = _tiny_backbone(target, num_layers, draft_block_size, layer_types, sliding_window, num_key_value_heads)
     mask_token_id = _mask_token_id(target_dir, target["vocab_size"])
+    config = _tiny_config(kind, target, backbone, mask_token_id, target_layer_ids, markov_rank)
+    config.update(overrides)
 
-    backbone = {
+    draft_config = parse_draft_config(config, source="make_tiny_draft")
+    generator = torch.Generator().manual_seed(seed)
+    weights = _random_weights(draft_config, generator)
+    use_prefix = kind == "dspark" if prefixed is None else prefixed
+    if use_prefix:
+        weights = {_prefixed(name): tensor for name, tensor in weights.items()}
+    if kind == "dspark":
+        weights.update(_dspark_extras(draft_config, markov_rank, generator, prefix="model." if use_prefix else ""))
+    return save_draft_checkpoint(path, config, weights, file_format=file_format, num_shards=num_shards)
+
+
+def _tiny_backbone(
+    target: dict[str, Any],
+    num_layers: int,
+    draft_block_size: int,
+    layer_types: list[str],
+    sliding_window: int | None,
+    num_key_value_heads: int | None,
+) -> dict[str, Any]:
+    """The backbone fields of a tiny draft's config.json, sized after the target's config."""
+    num_target_layers = target["num_hidden_layers"]
+    return {
         "hidden_size": target["hidden_size"],
         "intermediate_size": target["intermediate_size"],
         "num_hidden_layers": num_layers,
@@ -264,6 +288,17 @@ def make_tiny_draft(
         "block_size": draft_block_size,  # the source formats' config.json key
         "num_target_layers": num_target_layers,
     }
+
+
+def _tiny_config(
+    kind: str,
+    target: dict[str, Any],
+    backbone: dict[str, Any],
+    mask_token_id: int,
+    target_layer_ids: list[int],
+    markov_rank: int,
+) -> dict[str, Any]:
+    """A tiny draft's whole config.json: the z-lab layout (dflash) or the DeepSpec one (dspark)."""
     rope = target.get("rope_parameters") or {"rope_type": "default", "rope_theta": target.get("rope_theta", 10000.0)}
     if kind == "dflash":
         config = {
@@ -293,17 +328,7 @@ def make_tiny_draft(
         if markov_rank > 0:
             config["markov_head_type"] = "vanilla"
             config["confidence_head_with_markov"] = True
-    config.update(overrides)
-
-    draft_config = parse_draft_config(config, source="make_tiny_draft")
-    generator = torch.Generator().manual_seed(seed)
-    weights = _random_weights(draft_config, generator)
-    use_prefix = kind == "dspark" if prefixed is None else prefixed
-    if use_prefix:
-        weights = {_prefixed(name): tensor for name, tensor in weights.items()}
-    if kind == "dspark":
-        weights.update(_dspark_extras(draft_config, markov_rank, generator, prefix="model." if use_prefix else ""))
-    return save_draft_checkpoint(path, config, weights, file_format=file_format, num_shards=num_shards)
+    return config
 
 
 def _mask_token_id(target_dir: Path, vocab_size: int) -> int:

@@ -13,6 +13,7 @@ layout it came from, and `candidate_position_offset` the one behavioural differe
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -136,16 +137,7 @@ def parse_draft_config(raw: dict[str, Any], source: str = "config.json") -> Draf
                 return place[name]
         return None
 
-    if nested.get("selector_rank") is not None or nested.get("conv_kernel_size") is not None:
-        raise ModelFormatError(
-            f"{source} is a DFlash2 draft (pair selector, in-block convolutions), which is not supported",
-            hint="use a DFlash (z-lab) or DSpark (DeepSpec) draft",
-        )
-    for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
-        if not isinstance(raw.get(name), int):
-            raise ModelFormatError(
-                f"{source} lacks the backbone field {name!r}", hint="the draft's config.json is incomplete"
-            )
+    _check_supported(raw, nested, source)
 
     hf = _qwen3_config(raw)
     num_layers = hf.num_hidden_layers
@@ -160,15 +152,7 @@ def parse_draft_config(raw: dict[str, Any], source: str = "config.json") -> Draf
             f"{source}: block_size {draft_block_size} leaves no candidate row (candidate_position_offset {offset})",
             hint="block_size counts the seed/anchor row; it must be at least 2 for a DFlash draft",
         )
-    markov_rank = int(draft_field("markov_rank") or 0)
-    markov_head_type = draft_field("markov_head_type") if markov_rank > 0 else None
-    if markov_rank > 0:
-        markov_head_type = markov_head_type or "vanilla"
-        if markov_head_type not in MARKOV_HEAD_TYPES:
-            raise ModelFormatError(
-                f"{source}: Markov head type {markov_head_type!r} is not supported",
-                hint="only the vanilla Markov head (markov_head_type 'vanilla') can be exported",
-            )
+    markov_rank, markov_head_type = _markov_head(draft_field, source)
     layer_types, sliding_window = _layer_types(raw, num_layers, source)
 
     return DraftConfig(
@@ -196,6 +180,34 @@ def parse_draft_config(raw: dict[str, Any], source: str = "config.json") -> Draf
         num_target_layers=num_target_layers,
         raw=raw,
     )
+
+
+def _check_supported(raw: dict[str, Any], nested: dict[str, Any], source: str) -> None:
+    """Refuse a DFlash2 draft and a config without the backbone's sizes."""
+    if nested.get("selector_rank") is not None or nested.get("conv_kernel_size") is not None:
+        raise ModelFormatError(
+            f"{source} is a DFlash2 draft (pair selector, in-block convolutions), which is not supported",
+            hint="use a DFlash (z-lab) or DSpark (DeepSpec) draft",
+        )
+    for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
+        if not isinstance(raw.get(name), int):
+            raise ModelFormatError(
+                f"{source} lacks the backbone field {name!r}", hint="the draft's config.json is incomplete"
+            )
+
+
+def _markov_head(draft_field: Callable[[str], Any], source: str) -> tuple[int, str | None]:
+    """The Markov head's rank (0: none) and type ("vanilla", the only one supported)."""
+    markov_rank = int(draft_field("markov_rank") or 0)
+    markov_head_type = draft_field("markov_head_type") if markov_rank > 0 else None
+    if markov_rank > 0:
+        markov_head_type = markov_head_type or "vanilla"
+        if markov_head_type not in MARKOV_HEAD_TYPES:
+            raise ModelFormatError(
+                f"{source}: Markov head type {markov_head_type!r} is not supported",
+                hint="only the vanilla Markov head (markov_head_type 'vanilla') can be exported",
+            )
+    return markov_rank, markov_head_type
 
 
 def _detect_kind(raw: dict[str, Any], source: str) -> str:

@@ -91,24 +91,7 @@ def export_target(
 
     with staging_dir(output_dir) as stage:
         work = stage / ".convert"  # optimum-intel's own output; the final files go to `stage`
-        step("Converting to OpenVINO")
-        ov_config = _ov_config(weight_format)
-        # Signals wait for the end of each stage: one inside the converter's Python callbacks aborts
-        # the process or turns into an unrelated conversion error.
-        with interrupts.deferred():
-            _convert(model, work, ov_config, trust_remote_code, output_dir)
-            ov_model = ov.Core().read_model(work / MODEL_XML)
-
-        step("Annotating hidden states")
-        with interrupts.deferred():
-            _annotate(ov_model, model, config, trust_remote_code)
-
-        if weight_format in _WEIGHT_COMPRESSION:
-            step(f"Compressing weights ({weight_format})")
-            with interrupts.deferred():
-                ov_model = _compress(ov_model, ov_config.quantization_config, weight_format)
-        _check_annotation(ov_model)
-
+        ov_model = _converted_model(model, config, work, output_dir, weight_format, trust_remote_code, step)
         with interrupts.deferred(), saving(output_dir):
             # fp16 weights are already f16 constants; compressing again only keeps them so.
             ov.save_model(ov_model, stage / MODEL_XML, compress_to_fp16=weight_format == "fp16")
@@ -123,6 +106,37 @@ def export_target(
             _convert_tokenizer(stage, trust_remote_code)
         publish(stage, output_dir, "target")
     return output_dir
+
+
+def _converted_model(
+    model: str | Path,
+    config: dict[str, Any],
+    work: Path,
+    output_dir: Path,
+    weight_format: str,
+    trust_remote_code: bool,
+    step: StepCallback,
+) -> ov.Model:
+    """Convert `model` into `work` with optimum-intel, annotate its hidden states and compress its
+    weights as `weight_format` asks; the annotation is checked on the model returned."""
+    step("Converting to OpenVINO")
+    ov_config = _ov_config(weight_format)
+    # Signals wait for the end of each stage: one inside the converter's Python callbacks aborts
+    # the process or turns into an unrelated conversion error.
+    with interrupts.deferred():
+        _convert(model, work, ov_config, trust_remote_code, output_dir)
+        ov_model = ov.Core().read_model(work / MODEL_XML)
+
+    step("Annotating hidden states")
+    with interrupts.deferred():
+        _annotate(ov_model, model, config, trust_remote_code)
+
+    if weight_format in _WEIGHT_COMPRESSION:
+        step(f"Compressing weights ({weight_format})")
+        with interrupts.deferred():
+            ov_model = _compress(ov_model, ov_config.quantization_config, weight_format)
+    _check_annotation(ov_model)
+    return ov_model
 
 
 def _require_target(model: str | Path, config: dict[str, Any]) -> None:
