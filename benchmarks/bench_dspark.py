@@ -37,6 +37,7 @@ what a trained draft accepts:
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -53,6 +54,7 @@ import numpy as np
 
 from dflash.core.config import EXACT_OV_CONFIG, SamplingParams
 from dflash.core.engine import EngineConfig, LLMEngine
+from dflash.core.metrics import SpecDecodingStats, StepTimes
 
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dflash" / "bench"
 F32 = EXACT_OV_CONFIG
@@ -263,11 +265,8 @@ def _humaneval(num_prompts: int) -> list[str]:
 class RoundResult:
     seconds: float
     num_tokens: int
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    draft_s: float = 0.0
-    step_s: float = 0.0
+    spec: SpecDecodingStats = field(default_factory=SpecDecodingStats)  # the round's requests, merged
+    times: StepTimes = field(default_factory=StepTimes)  # the engine's, during the round
     head_s: float = 0.0
     outputs: list[list[int]] = field(default_factory=list)
 
@@ -289,22 +288,20 @@ class Row:
 
     @property
     def tau(self) -> float | None:
-        r = self.rounds[-1]
-        return (r.num_accepted_tokens + r.num_drafts) / r.num_drafts if r.num_drafts else None
+        return self.rounds[-1].spec.mean_accepted_length
 
     @property
     def acceptance(self) -> float | None:
-        r = self.rounds[-1]
-        return r.num_accepted_tokens / r.num_draft_tokens if r.num_draft_tokens else None
+        return self.rounds[-1].spec.acceptance_rate
 
     @property
     def draft_share(self) -> float:
-        return self.median(lambda r: r.draft_s / r.step_s if r.step_s else 0.0)
+        return self.median(lambda r: r.times.draft_s / r.times.step_s if r.times.step_s else 0.0)
 
     @property
     def head_ms_per_draft(self) -> float | None:
         r = self.rounds[-1]
-        return 1000 * r.head_s / r.num_drafts if r.num_drafts and r.head_s else None
+        return 1000 * r.head_s / r.spec.num_drafts if r.spec.num_drafts and r.head_s else None
 
 
 def configurations(top_ks: Sequence[int] | None) -> dict[str, dict]:
@@ -333,7 +330,7 @@ def make_engine(pair: Pair, options: dict, args) -> LLMEngine:
 def run_round(engine: LLMEngine, prompts: list[list[int]], args) -> RoundResult:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     head = engine.drafter.markov if engine.has_draft else None
-    draft_s, step_s = engine.times.draft_s, engine.times.step_s
+    times_before = copy.copy(engine.times)
     head_s = head.seconds if head is not None else 0.0
     start = time.perf_counter()
     results = []
@@ -343,11 +340,8 @@ def run_round(engine: LLMEngine, prompts: list[list[int]], args) -> RoundResult:
     out = RoundResult(seconds, sum(r.num_generated_tokens for r in results), outputs=[r.token_ids for r in results])
     for r in results:
         if r.spec is not None:
-            out.num_drafts += r.spec.num_drafts
-            out.num_draft_tokens += r.spec.num_draft_tokens
-            out.num_accepted_tokens += r.spec.num_accepted_tokens
-    out.draft_s = engine.times.draft_s - draft_s
-    out.step_s = engine.times.step_s - step_s
+            out.spec.merge(r.spec)
+    out.times = engine.times - times_before
     out.head_s = (head.seconds if head is not None else 0.0) - head_s
     return out
 

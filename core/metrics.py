@@ -59,14 +59,8 @@ class SpecDecodingStats:
         return [a / d for a, d in zip(accepted, self.drafted_per_position)]
 
     def to_json(self) -> dict:
-        return {
-            "num_drafts": self.num_drafts,
-            "num_draft_tokens": self.num_draft_tokens,
-            "num_accepted_tokens": self.num_accepted_tokens,
-            "mean_accepted_length": self.mean_accepted_length,
-            "acceptance_rate": self.acceptance_rate,
-            "acceptance_by_position": self.acceptance_by_position,
-        }
+        return json_of(self, "num_drafts", "num_draft_tokens", "num_accepted_tokens", "mean_accepted_length",
+                        "acceptance_rate", "acceptance_by_position")  # fmt: skip
 
 
 def _grow(counts: list[int], upto: int) -> None:
@@ -140,11 +134,10 @@ class DraftingStats:
         return self.num_drafting / self.num_decisions if self.num_decisions else None
 
     def to_json(self) -> dict:
-        return {
-            "num_decisions": self.num_decisions,
-            "num_drafting": self.num_drafting,
-            "drafting_share": self.drafting_share,
-            "num_draft_steps": self.num_draft_steps,
-            "num_idle_steps": self.num_idle_steps,
-            "num_kv_waits": self.num_kv_waits,
-        }
+        return json_of(self, "num_decisions", "num_drafting", "drafting_share", "num_draft_steps", "num_idle_steps",
+                        "num_kv_waits")  # fmt: skip
+
+
+def json_of(obj: object, *names: str) -> dict:
+    """The named attributes (fields or properties) of `obj`, in that order: a to_json of plain values."""
+    return {name: getattr(obj, name) for name in names}

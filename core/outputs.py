@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from .detokenizer import IncrementalDetokenizer
-from .metrics import SpecDecodingStats
+from .metrics import SpecDecodingStats, json_of
 from .request import Request, RequestStatus, default_finish_reason
 from .stopping import StopChecker
 
@@ -65,19 +65,10 @@ class GenerationResult:
         return len(self.token_ids)
 
     def to_json(self) -> dict:
-        return {
-            "id": self.req_id,
-            "prompt": self.prompt,
-            "text": self.text,
-            "token_ids": self.token_ids,
-            "num_generated_tokens": self.num_generated_tokens,
-            "finish_reason": self.finish_reason,
-            "stop_reason": self.stop_reason,
-            "error": self.error,
-            "ttft_s": self.ttft_s,
-            "tpot_s": self.tpot_s,
-            **({"spec_decoding": self.spec.to_json()} if self.spec is not None else {}),
-        }
+        fields = ("prompt", "text", "token_ids", "num_generated_tokens", "finish_reason", "stop_reason", "error", "ttft_s",
+                  "tpot_s")  # fmt: skip
+        spec = {"spec_decoding": self.spec.to_json()} if self.spec is not None else {}
+        return {"id": self.req_id, **json_of(self, *fields), **spec}
 
 
 @dataclass
