@@ -246,3 +246,25 @@ def test_engine_refuses_hybrid_targets_for_now(hybrid):
 
     with pytest.raises(ModelFormatError, match="hybrid linear-attention targets are not supported by the engine yet"):
         TargetRunner(hybrid[1])
+
+
+@pytest.mark.slow
+@needs_52
+def test_genai_continuous_batching_on_the_export_matches_transformers(hybrid, hf_model):
+    """openvino-genai's ContinuousBatchingPipeline (the autoregressive peer) on the same IR: greedy
+    tokens equal transformers' generate. On optimum-intel's IR without the position rewiring, its first
+    token after a 9-token prompt already differs (docs/hybrid-targets.md)."""
+    import openvino_genai as ov_genai
+    import torch
+
+    scheduler = ov_genai.SchedulerConfig()
+    scheduler.num_kv_blocks, scheduler.max_num_batched_tokens, scheduler.enable_prefix_caching = 32, 256, False
+    pipeline = ov_genai.ContinuousBatchingPipeline(str(hybrid[1]), scheduler, "CPU", F32)
+    config = ov_genai.GenerationConfig()
+    config.max_new_tokens, config.ignore_eos, config.do_sample = 16, True, False
+    prompts = [PROMPT, PROMPT[:4]]
+    results = pipeline.generate([ov.Tensor(np.asarray([p], dtype=np.int64)) for p in prompts], [config] * 2)
+    for prompt, result in zip(prompts, results):
+        with torch.no_grad():
+            expected = hf_model.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
+        assert list(result.m_generation_ids[0]) == expected[0, len(prompt):].tolist()
