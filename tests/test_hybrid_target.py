@@ -253,7 +253,7 @@ def test_engine_refuses_hybrid_targets_for_now(hybrid):
 def test_genai_continuous_batching_on_the_export_matches_transformers(hybrid, hf_model):
     """openvino-genai's ContinuousBatchingPipeline (the autoregressive peer) on the same IR: greedy
     tokens equal transformers' generate. On optimum-intel's IR without the position rewiring, its first
-    token after a 9-token prompt already differs (docs/hybrid-targets.md)."""
+    token after an 8-token prompt already differs (docs/hybrid-targets.md)."""
     import openvino_genai as ov_genai
     import torch
 
