@@ -4,8 +4,9 @@ What is special about exporting them, measured on openvino 2026.4.1 / optimum-in
 (docs/hybrid-targets.md has the commands and figures):
 
 - optimum-intel 2.2.0 exports `qwen3_5_text` only under transformers 5.2.x: its export config caps the
-  version at 5.2.99, and under 5.5 its model patcher fails importing `Qwen3_5DynamicCache`. The check
-  here turns that into one line before anything is converted.
+  version at 5.2.99 (under 5.5.4 `main_export` raises "The current version of Transformers does not
+  allow for the export of the model. Maximum required is 5.2.*"). The check here turns that into one
+  line before anything is converted.
 - Its Qwen3.5 patcher ignores the `position_ids` input: the rotary positions are
   `arange(past, past + seq_len)` with `past` taken from the KV state's length. `paged_attention_transformation`
   rewrites that length as `max_context_len - 1` (the graph's sequence axis is 1 after it), so every row

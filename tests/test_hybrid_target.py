@@ -129,7 +129,8 @@ def test_stateful_export_matches_transformers(hybrid, hf_model):
 class PagedHybrid:
     """The paged hybrid target with its KV and state tables; one call per `run`."""
 
-    def __init__(self, ir: Path, *, zero_states: bool = True):
+    def __init__(self, ir: Path, *, garbage_from: int = NUM_STATE_BLOCKS):
+        """State blocks from `garbage_from` on hold random values (a reused block), the others zeros."""
         model = core.read_model(ir / "openvino_model.xml")
         info = to_paged_attention(model)
         self.la_inputs = [name for name in info.other_inputs if name.startswith("la.")]
@@ -145,7 +146,8 @@ class PagedHybrid:
             port = self.compiled.input(name)
             shape = [NUM_STATE_BLOCKS] + [d.get_length() for d in port.get_partial_shape()[1:]]
             tensor = ov.Tensor(port.get_element_type(), ov.Shape(shape))
-            tensor.data[:] = 0 if zero_states else rng.standard_normal(shape)
+            tensor.data[:] = 0
+            tensor.data[garbage_from:] = rng.standard_normal([shape[0] - garbage_from, *shape[1:]])
             self.request.set_tensor(name, tensor)
 
     def run(self, seqs: list[tuple[list[int], int, list[int], list[int], int]]) -> np.ndarray:
@@ -212,7 +214,7 @@ def test_paged_prefill_chunks_and_packing_match_transformers(hybrid, hf_model):
 @needs_52
 def test_past_len_zero_reads_the_state_block(hybrid, hf_model):
     """la.past_lens 0 does not reset the recurrent state: a state block must be zeroed before reuse."""
-    paged = PagedHybrid(hybrid[1], zero_states=False)
+    paged = PagedHybrid(hybrid[1], garbage_from=0)
     assert np.abs(paged.run([(PROMPT, 0, [0], [0, 0], 0)]) - _hf_logits(hf_model, PROMPT)).max() > 0.1
 
 
@@ -221,14 +223,17 @@ def test_past_len_zero_reads_the_state_block(hybrid, hf_model):
 def test_verification_checkpoints_hold_the_state_after_each_row(hybrid, hf_model):
     """Verify K rows reading the committed block c and writing checkpoints t1..tK (cache_interval 1):
     checkpoint k holds the state after k rows, c is left as it was. Promoting checkpoint acc+1 is
-    what makes rejected rows leave no trace."""
-    paged = PagedHybrid(hybrid[1])
+    what makes rejected rows leave no trace. Checkpoint blocks need no zeroing (they hold random values
+    here), and a verification shares its call with another sequence's prefill (cache_interval 0)."""
+    paged = PagedHybrid(hybrid[1], garbage_from=8)
     paged.run([(PROMPT, 0, [0], [0, 0], 0)])  # committed state of the prompt in block 0
     candidates = [int(t) for t in np.random.default_rng(3).integers(4, 500, 4)]
     checkpoints = [10, 11, 12, 13]
     verify = [(candidates, len(PROMPT), [0], [0, *checkpoints], 1)]
-    logits = paged.run(verify)
-    assert np.abs(logits - _hf_logits(hf_model, PROMPT + candidates)[len(PROMPT):]).max() < TOL
+    other = [int(t) for t in np.random.default_rng(4).integers(4, 500, 6)]
+    logits = paged.run([*verify, (other, 0, [1], [1, 1], 0)])
+    assert np.abs(logits[:4] - _hf_logits(hf_model, PROMPT + candidates)[len(PROMPT):]).max() < TOL
+    assert np.abs(logits[4:] - _hf_logits(hf_model, other)).max() < TOL
     for k, block in enumerate(checkpoints, start=1):
         paged.run(verify)  # the previous continuation overwrote a candidate's KV row
         accepted = PROMPT + candidates[:k]
