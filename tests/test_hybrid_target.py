@@ -273,3 +273,29 @@ def test_genai_continuous_batching_on_the_export_matches_transformers(hybrid, hf
         with torch.no_grad():
             expected = hf_model.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
         assert list(result.m_generation_ids[0]) == expected[0, len(prompt):].tolist()
+
+
+@pytest.mark.slow
+@needs_52
+def test_state_pool_drives_a_verification_and_promotion(hybrid, hf_model):
+    """core/state_pool.py on the real tables: reused (random) blocks, a partial acceptance, the pool full again."""
+    from dflash.core.state_pool import StatePool
+
+    paged = PagedHybrid(hybrid[1], garbage_from=0)
+
+    def zero(block: int) -> None:
+        for name in paged.state_tables:
+            paged.request.get_tensor(name).data[block] = 0
+
+    pool = StatePool(NUM_STATE_BLOCKS, zero=zero)
+    pool.allocate("a")
+    paged.run([(PROMPT, 0, [0], *pool.la_block_indices("a"))])
+    rows = [int(t) for t in np.random.default_rng(5).integers(4, 500, 5)]  # seed + 4 candidates
+    pool.reserve_checkpoints("a", len(rows))
+    paged.run([(rows, len(PROMPT), [0], *pool.la_block_indices("a"))])
+    pool.promote("a", 3)  # seed + 2 accepted candidates; the bonus token is the next step's seed
+    committed = PROMPT + rows[:3]
+    logits = paged.run([([7], len(committed), [0], *pool.la_block_indices("a"))])
+    assert np.abs(logits[-1] - _hf_logits(hf_model, [*committed, 7])[-1]).max() < TOL
+    pool.free("a")
+    assert pool.num_free == NUM_STATE_BLOCKS
