@@ -49,8 +49,9 @@ def require_hybrid_export_support(config: dict[str, Any]) -> None:
     model_type = str(config.get("model_type"))
     if model_type == "qwen3_5":
         raise ModelFormatError(
-            "qwen3_5 checkpoints hold a vision-language model; dflash exports hybrid text targets only",
-            "export the text model (model_type qwen3_5_text) or wait for VLM targets",
+            "qwen3_5 checkpoints (Qwen3.5 as published, vision-language) are not supported yet; "
+            "dflash exports qwen3_5_text configs",
+            "exporting the language model of a qwen3_5 checkpoint as a target is still to do (issue 17)",
         )
     supported = _SUPPORTED_TRANSFORMERS.get(model_type)
     if supported is None:
