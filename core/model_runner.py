@@ -16,7 +16,7 @@ import numpy as np
 import openvino as ov
 
 from .config import compile_properties
-from .errors import InputError
+from .errors import InputError, ModelFormatError
 from .graph import HIDDEN_STATES_OUTPUT, SAMPLED_ROWS_INPUT, add_hidden_states_output, insert_logits_gather
 from .paged import (
     KVCacheLayout,
@@ -143,7 +143,8 @@ class TargetRunner(PagedModel):
 
             # Resolved on the exported graph; the producers keep their names through the transformation.
             layer_outputs = hidden_state_outputs(model, hidden_layer_ids)
-        to_paged_attention(model)
+        info = to_paged_attention(model)
+        _refuse_linear_attention(info.other_inputs)
         insert_logits_gather(model)
         self.has_hidden_states = bool(layer_outputs)
         if layer_outputs:
@@ -155,3 +156,19 @@ class TargetRunner(PagedModel):
         # The draft keeps hidden rows across steps: a copy (the logits are read before the next inference).
         hidden = self._output(HIDDEN_STATES_OUTPUT).copy() if self.has_hidden_states else None
         return StepOutputs(logits=self._output("logits"), hidden_states=hidden)
+
+
+# Inputs `paged_attention_transformation` adds for linear-attention (GatedDeltaNet, causal conv) layers.
+LINEAR_ATTENTION_PREFIXES = ("la.", "conv_state_table.", "gated_delta_state_table.")
+
+
+def _refuse_linear_attention(other_inputs: Sequence[str]) -> None:
+    """Hybrid targets (Qwen3.5) export and run on PagedAttention, but the engine does not drive their
+    recurrent state yet: its blocks, checkpoints per verified row and the promotion of the accepted
+    one (docs/hybrid-targets.md has the plan). Refuse them before they could give wrong tokens."""
+    found = [name for name in other_inputs if name.startswith(LINEAR_ATTENTION_PREFIXES)]
+    if found:
+        raise ModelFormatError(
+            f"hybrid linear-attention targets are not supported by the engine yet (inputs {', '.join(found[:3])}, ...)",
+            "export works (`dflash export`); generation on them is issue 17, see docs/hybrid-targets.md",
+        )

@@ -10,6 +10,8 @@ Stages, in order (each announced through `on_step`):
 1. read config.json and refuse drafts;
 2. convert with optimum-intel into a staging folder next to the output (exporters/staging.py), so a
    failed or interrupted export never leaves a half-written model where a finished one is expected;
+   hybrid linear-attention targets (Qwen3.5) get their rotary positions from `position_ids`
+   (exporters/hybrid.py);
 3. annotate the decoder layers on the uncompressed graph;
 4. compress the weights with NNCF through optimum-intel's own weight-quantization config (int8/int4),
    then check that every locator still resolves;
@@ -39,6 +41,7 @@ from dflash.core.hidden_states import (
 )
 
 from . import interrupts
+from .hybrid import is_hybrid_config, require_hybrid_export_support, use_position_ids_for_rope
 from .roles import detect_role, read_source_config
 from .staging import check_output_dir, disk_full_error, publish, saving, staging_dir
 
@@ -88,6 +91,8 @@ def export_target(
     step("Loading model")
     config = read_source_config(model)
     _require_target(model, config)
+    if is_hybrid_config(config):
+        require_hybrid_export_support(config)
 
     with staging_dir(output_dir) as stage:
         work = stage / ".convert"  # optimum-intel's own output; the final files go to `stage`
@@ -126,6 +131,9 @@ def _converted_model(
     with interrupts.deferred():
         _convert(model, work, ov_config, trust_remote_code, output_dir)
         ov_model = ov.Core().read_model(work / MODEL_XML)
+        if is_hybrid_config(config):
+            # optimum-intel's Qwen3.5 graph ignores position_ids, which PagedAttention needs
+            use_position_ids_for_rope(ov_model)
 
     step("Annotating hidden states")
     with interrupts.deferred():

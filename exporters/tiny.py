@@ -33,7 +33,23 @@ _CORPUS = [
     "OpenVINO runs models on Intel CPUs, GPUs and NPUs.",
 ]
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_5_text")
+
+# Hybrid linear-attention families (GatedDeltaNet layers with a full-attention layer every few layers).
+# optimum-intel 2.2.0 exports `qwen3_5_text` only under transformers 5.2.x (its export config caps the
+# version at 5.2.99); see docs/hybrid-targets.md.
+HYBRID_FAMILIES = ("qwen3_5_text",)
+
+# Small linear-attention sizes for the tiny hybrid target (the real model: 16 key / 32 value heads of 128).
+_TINY_LINEAR_ATTENTION = dict(
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    # Three GatedDeltaNet layers, then full attention: Qwen3.5's own pattern (full_attention_interval 4).
+    layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+)
 
 
 def _tiny_config_kwargs(vocab_size: int, **overrides) -> dict:
@@ -86,7 +102,11 @@ def make_tiny_target(
     vocab_size: int = 512,
     **config_overrides,
 ) -> Path:
-    """Write a tiny random-weight causal LM of `family` (llama, qwen2, qwen3, mistral) to `path`."""
+    """Write a tiny random-weight causal LM of `family` (one of FAMILIES) to `path`.
+
+    `qwen3_5_text` is the hybrid Qwen3.5 text model (3 GatedDeltaNet layers + 1 full-attention layer
+    unless `layer_types`/`num_hidden_layers` say otherwise); it needs transformers >= 5.2.
+    """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
@@ -103,6 +123,9 @@ def make_tiny_target(
     )
     if family == "llama":
         kwargs.setdefault("attention_bias", False)
+    if family in HYBRID_FAMILIES:
+        for key, value in _TINY_LINEAR_ATTENTION.items():
+            kwargs.setdefault(key, value)
     config = AutoConfig.for_model(family, **kwargs)
 
     torch.manual_seed(seed)
