@@ -137,7 +137,7 @@ class PagedHybrid:
         self.state_tables = [name for name in info.other_inputs if "state_table" in name]
         self.compiled = core.compile_model(model, "CPU", F32)
         layout = read_kv_cache_layout(self.compiled)
-        self.block_size = layout.block_size
+        self.kv_block_size = layout.kv_block_size
         self.request = self.compiled.create_infer_request()
         for name, tensor in allocate_kv_caches(layout, 8).items():
             self.request.set_tensor(name, tensor)
@@ -152,7 +152,7 @@ class PagedHybrid:
 
     def run(self, seqs: list[tuple[list[int], int, list[int], list[int], int]]) -> np.ndarray:
         """seqs: (tokens, past_len, kv block table, la.block_indices of the sequence, la.cache_interval)."""
-        feed = pack_paged_inputs([SequenceSlice(past, len(t), kv) for t, past, kv, _, _ in seqs], self.block_size)
+        feed = pack_paged_inputs([SequenceSlice(past, len(t), kv) for t, past, kv, _, _ in seqs], self.kv_block_size)
         feed["input_ids"] = np.concatenate([t for t, *_ in seqs]).astype(np.int64)
         feed["position_ids"] = np.concatenate([np.arange(past, past + len(t)) for t, past, *_ in seqs])
         la_blocks, la_begins = [], [0]
