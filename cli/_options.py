@@ -46,6 +46,16 @@ WeightFormatOpt = Annotated[
     WeightFormat,
     typer.Option("--weight-format", help="Weight precision of the exported model (int8/int4 through NNCF)."),
 ]
+DraftVocabSizeOpt = Annotated[
+    Optional[int],
+    typer.Option(
+        "--draft-vocab-size",
+        min=0,
+        help="Tokens the draft may propose: the N the target emits most often, by the checkpoint's draft_vocab.json "
+        "(a smaller lm_head: cheaper draft rows, output unchanged). Default: the number that file gives; 0: the whole vocabulary.",
+        show_default=False,
+    ),
+]
 DraftWeightFormatOpt = Annotated[
     Optional[WeightFormat],
     typer.Option(

@@ -10,6 +10,7 @@ import typer
 from ._errors import handled_errors
 from ._options import (
     DebugOpt,
+    DraftVocabSizeOpt,
     DraftWeightFormatOpt,
     JsonOpt,
     QuietOpt,
@@ -29,6 +30,8 @@ Examples:
 
   dflash export ./dspark-draft ./dspark-draft-ov --json
 
+  dflash export ./dflash-draft ./dflash-draft-ov --draft-vocab-size 8192   # propose only the 8192 most frequent tokens
+
   dflash export ./my-target ./folder-with-other-files --overwrite
 """
 
@@ -42,6 +45,7 @@ def export(
     ] = None,
     weight_format: WeightFormatOpt = WeightFormat.fp16,
     draft_weight_format: DraftWeightFormatOpt = None,
+    draft_vocab_size: DraftVocabSizeOpt = None,
     trust_remote_code: TrustRemoteCodeOpt = False,
     overwrite: Annotated[
         bool,
@@ -68,6 +72,7 @@ def export(
                 draft=draft,
                 weight_format=weight_format.value,
                 draft_weight_format=draft_weight_format.value if draft_weight_format else None,
+                draft_vocab_size=draft_vocab_size,
                 trust_remote_code=trust_remote_code,
                 overwrite=overwrite,
                 on_step=on_step,

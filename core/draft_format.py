@@ -32,6 +32,9 @@ class DraftMetadata:
     markov_rank: int
     markov_head_type: str | None
     per_row: bool  # the model has a `token_type_ids` input (the layout PagedAttention drafting needs)
+    # The target token ids the draft may propose (rt_info dflash/draft_vocab, comma-separated): its logits
+    # cover these only, in this order. None: the whole vocabulary.
+    draft_vocab: tuple[int, ...] | None = None
 
     @property
     def max_candidates(self) -> int:
@@ -78,6 +81,8 @@ def read_draft_metadata(model, *, require_per_row: bool = True) -> DraftMetadata
         draft_block_size = int(_required(get("dflash", "block_size"), "block_size"))
         offset = int(get("dflash", "candidate_position_offset") or 1)
         markov_rank = int(get("dflash", "markov_rank") or 0)
+        vocab_text = get("dflash", "draft_vocab")
+        draft_vocab = tuple(int(part) for part in vocab_text.split(",")) if vocab_text else None
     except ValueError as exc:
         raise ModelFormatError(
             f"malformed DFlash rt_info: {exc}", hint="re-export the draft with `dflash export`"
@@ -95,6 +100,7 @@ def read_draft_metadata(model, *, require_per_row: bool = True) -> DraftMetadata
         markov_rank=markov_rank,
         markov_head_type=get("dflash", "markov_head_type") if markov_rank > 0 else None,
         per_row=per_row,
+        draft_vocab=draft_vocab,
     )
 
 

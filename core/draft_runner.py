@@ -19,7 +19,7 @@ import openvino as ov
 from dflash.core.draft_format import read_draft_metadata
 
 from .errors import ModelFormatError
-from .graph import graft_embedding, graft_lm_head, insert_logits_gather
+from .graph import graft_embedding, graft_lm_head, insert_logits_gather, logits_output
 from .model_runner import PagedModel, read_ov_model
 from .paged import SequenceSlice, to_paged_attention
 
@@ -53,8 +53,10 @@ class DraftRunner(PagedModel):
         self.spec = read_draft_metadata(model)  # the draft's contract: mask token, layers, block, offset
         target = read_ov_model(target_dir)  # a throwaway copy: its weight subgraphs move to the draft
         _check_widths(model, target)
+        self.vocab_size = _vocab_size(target)
+        self.vocab_ids = _draft_vocab(self.spec.draft_vocab, self.vocab_size)
         graft_embedding(model, target)
-        graft_lm_head(model, target)
+        graft_lm_head(model, target, self.vocab_ids)
         del target
         to_paged_attention(model)
         insert_logits_gather(model)
@@ -66,10 +68,43 @@ class DraftRunner(PagedModel):
         return self.compiled.input("hidden_states").get_partial_shape()[-1].get_length()
 
     def run(self, step: DraftInputs) -> np.ndarray:
-        """Logits of the candidate rows. # [num_candidates, vocab] f32"""
+        """Logits of the candidate rows over the draft's vocabulary (`vocab_ids`, or the whole target
+        vocabulary when that is None). # [num_candidates, len(vocab_ids) or vocab_size] f32"""
         rows = {"input_ids": step.token_ids, "token_type_ids": step.token_type_ids, "hidden_states": step.hidden_states}
         self._infer(step.seqs, rows, step.candidate_rows)
         return self._output("logits")
+
+    def token_ids(self, logits: np.ndarray) -> np.ndarray:
+        """Each row's argmax as a target token id. # [rows] i64"""
+        best = logits.argmax(axis=-1)
+        return best if self.vocab_ids is None else self.vocab_ids[best]
+
+    def full_logits(self, logits: np.ndarray) -> np.ndarray:
+        """Logits over the target's whole vocabulary: -inf for the tokens the draft never proposes, so
+        its distributions (sampling, the Markov head) put no mass there. # [rows, vocab_size] f32"""
+        if self.vocab_ids is None:
+            return logits
+        full = np.full((len(logits), self.vocab_size), -np.inf, dtype=np.float32)
+        full[:, self.vocab_ids] = logits
+        return full
+
+
+def _vocab_size(target: ov.Model) -> int | None:
+    width = logits_output(target).get_partial_shape()[-1]
+    return width.get_length() if width.is_static else None
+
+
+def _draft_vocab(ids: tuple[int, ...] | None, vocab_size: int | None) -> np.ndarray | None:
+    """The draft's vocabulary as an index array, checked against the target's."""
+    if ids is None:
+        return None
+    vocab = np.asarray(ids, dtype=np.int64)
+    hint = "re-export the draft with `dflash export` (its draft vocabulary must hold distinct ids of the target's)"
+    if vocab.size == 0 or len(np.unique(vocab)) != vocab.size:
+        raise ModelFormatError("the draft's vocabulary (rt_info dflash/draft_vocab) is empty or repeats ids", hint)
+    if vocab.min() < 0 or (vocab_size is not None and vocab.max() >= vocab_size):
+        raise ModelFormatError(f"the draft's vocabulary holds ids outside the target's 0..{vocab_size}", hint)
+    return vocab
 
 
 def _check_widths(draft: ov.Model, target: ov.Model) -> None:

@@ -152,11 +152,21 @@ def graft_embedding(draft: ov.Model, target: ov.Model) -> None:
     draft.validate_nodes_and_infer_types()
 
 
-def graft_lm_head(draft: ov.Model, target: ov.Model) -> None:
-    """A `logits` output in place of last_hidden_state: the draft's hidden states through the target's lm_head."""
+def graft_lm_head(draft: ov.Model, target: ov.Model, vocab_ids: np.ndarray | None = None) -> None:
+    """A `logits` output in place of last_hidden_state: the draft's hidden states through the target's lm_head.
+
+    With `vocab_ids` (target token ids), the logits cover only those tokens, in that order: the lm_head's
+    weight rows are cut to them (see `restrict_weight_rows`), so a draft row costs |vocab_ids| x hidden
+    multiply-adds instead of the whole vocabulary's.
+    """
     matmul, activation_port = find_lm_head(target)
     attrs = matmul.get_attributes()
     weight = take_weight_subgraph(matmul.input(1 - activation_port))
+    if vocab_ids is not None:
+        if activation_port != 0:
+            raise ModelFormatError("the target's lm_head takes its weight first; cannot cut its vocabulary", _REEXPORT_HINT)
+        vocab_axis = 0 if attrs["transpose_b"] else 1
+        weight = restrict_weight_rows(weight, np.asarray(vocab_ids, dtype=np.int64), vocab_axis)
     hidden = next(o for o in draft.outputs if "last_hidden_state" in o.get_names())
     hidden_source = hidden.get_node().input_value(0)
     operands = (hidden_source, weight) if activation_port == 0 else (weight, hidden_source)
@@ -166,3 +176,37 @@ def graft_lm_head(draft: ov.Model, target: ov.Model) -> None:
     draft.add_results([result])
     draft.remove_result(hidden.get_node())
     draft.validate_nodes_and_infer_types()
+
+
+def restrict_weight_rows(weight: ov.Output, ids: np.ndarray, axis: int) -> ov.Output:
+    """A copy of a weight subgraph that keeps only `ids` along `axis` (the vocabulary axis).
+
+    The constants are cut, not the decompressed weight: an int8 weight stays int8, its per-row scales and
+    zero points are cut alike, and no Gather runs at inference. The copy leaves the original untouched
+    (a tied embedding table keeps its whole vocabulary). A chain of other ops (e.g. group-wise int4
+    reshapes) gets a Gather of the decompressed rows instead, correct but computed at every inference.
+    """
+    vocab = weight.get_partial_shape()[axis].get_length()
+
+    def cut(value: ov.Output) -> ov.Output | None:
+        node, kind = value.get_node(), value.get_node().get_type_name()
+        if kind == "Constant":
+            if node.get_element_type().bitwidth < 8 or node.get_element_type() == ov.Type.bf16:
+                return None
+            data = node.get_data()
+            if data.ndim > axis and data.shape[axis] == vocab:
+                return ops.constant(np.take(data, ids, axis=axis)).output(0)
+            return value  # a scalar or broadcast constant (e.g. one zero point for all rows)
+        inputs = [cut(v) for v in node.input_values()]
+        if any(v is None for v in inputs):
+            return None
+        if kind == "Convert":
+            return ops.convert(inputs[0], node.get_destination_type()).output(0)
+        if kind in ("Subtract", "Multiply", "Add"):
+            return getattr(ops, kind.lower())(*inputs).output(0)
+        return None
+
+    cut_weight = cut(weight)
+    if cut_weight is None:
+        return ops.gather(weight, ops.constant(ids), ops.constant(np.int64(axis))).output(0)
+    return cut_weight

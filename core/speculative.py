@@ -311,13 +311,14 @@ class DFlashDrafter:
             candidates: Candidates = {}
             for (request, logits), how in zip(drafting, sampling):
                 if how is None:
-                    candidates[request.req_id] = tuple(int(t) for t in logits.argmax(axis=-1))
+                    candidates[request.req_id] = tuple(int(t) for t in self.runner.token_ids(logits))
                 else:
-                    candidates[request.req_id] = sample_rows(logits, *how)
+                    candidates[request.req_id] = sample_rows(self.runner.full_logits(logits), *how)
             return candidates
         # The token before the first candidate row is the seed/anchor: the newest committed token.
         picked = self.markov.select_candidates(
-            [logits for _, logits in drafting], [request.all_token_ids[-1] for request, _ in drafting], self.markov_top_k,
+            [self.runner.full_logits(logits) for _, logits in drafting], [request.all_token_ids[-1] for request, _ in drafting],
+            self.markov_top_k,
             sampling=sampling,
         )  # fmt: skip
         return {request.req_id: tokens if isinstance(tokens, Proposal) else tuple(tokens)

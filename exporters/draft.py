@@ -9,6 +9,7 @@ for a DSpark draft with a Markov head, the head's own IR.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Callable
@@ -28,6 +29,9 @@ from . import interrupts
 from .tracing import name_ports, trace_and_convert
 
 WEIGHT_FORMATS = ("fp32", "fp16", "int8", "int4")
+# In a draft checkpoint: the target's tokens ranked by how often the target emits them (training/vocab.py),
+# and the number of them the draft proposes by default ("size"; absent: the whole vocabulary).
+DRAFT_VOCAB_FILE = "draft_vocab.json"
 
 INPUT_NAMES = ("inputs_embeds", "hidden_states", "position_ids", "token_type_ids", "attention_mask")
 OUTPUT_NAME = "last_hidden_state"
@@ -47,6 +51,7 @@ def export_draft(
     output_dir: str | Path,
     *,
     weight_format: str = "fp16",
+    draft_vocab_size: int | None = None,
     target_hidden_size: int | None = None,
     overwrite: bool = False,
     on_step: Callable[[str], None] | None = None,
@@ -54,8 +59,10 @@ def export_draft(
     """Export the draft `draft` (local folder or hub id) into `output_dir`; returns `output_dir`.
 
     `weight_format` is "fp32", "fp16", "int8" or "int4" (NNCF). With `target_hidden_size`, a draft
-    whose hidden size differs from its target's is rejected (ModelFormatError). `on_step` receives a
-    short line as each stage starts.
+    whose hidden size differs from its target's is rejected (ModelFormatError). `draft_vocab_size`: how
+    many of the target's tokens the draft may propose, the most frequent first by the checkpoint's
+    `draft_vocab.json` (None: the number that file gives, or all without one; 0: all). `on_step`
+    receives a short line as each stage starts.
 
     The export is staged beside `output_dir` and published with a rename (exporters/staging.py): a
     failed or interrupted export leaves `output_dir` as it was. An `output_dir` that holds anything but
@@ -72,6 +79,7 @@ def export_draft(
     check_output_dir(output_dir, "draft", overwrite=overwrite, sources=[source])
     config = load_draft_config(source)
     check_exportable(config, target_hidden_size)
+    draft_vocab = resolve_draft_vocab(Path(source), draft_vocab_size)
 
     step(f"loading {config.kind} draft weights from {source}")
     weights = load_draft_weights(source, config)
@@ -81,7 +89,7 @@ def export_draft(
         step("converting the draft to OpenVINO (per-row, stateful)")
         with interrupts.deferred():  # a signal inside the converter's Python callbacks aborts the process
             ov_model = convert_draft(model)
-            add_draft_rt_info(ov_model, config)
+            add_draft_rt_info(ov_model, config, draft_vocab)
             ov_model = compress_draft_weights(ov_model, config, weight_format, step)
 
         step(f"saving {output_dir / DRAFT_MODEL_FILE}")
@@ -200,7 +208,32 @@ def make_draft_stateful(ov_model, kv_inputs: list[str], kv_outputs: list[str]) -
     make_stateful(ov_model, not_kv_inputs, kv_inputs, kv_outputs, batch_dim=0, num_beams_and_batch=None)
 
 
-def add_draft_rt_info(ov_model, config: DraftConfig) -> None:
+def resolve_draft_vocab(source: Path, size: int | None) -> list[int] | None:
+    """The target token ids an exported draft may propose: the first `size` of the checkpoint's ranking
+    (DRAFT_VOCAB_FILE); None for the whole vocabulary (size 0, or no size given and none in the file)."""
+    path = source / DRAFT_VOCAB_FILE
+    if size == 0 or (size is None and not path.is_file()):
+        return None
+    if not path.is_file():
+        raise InputError(
+            f"--draft-vocab-size {size} needs a ranking of the target's tokens, and {source} has no {DRAFT_VOCAB_FILE}",
+            "make one with `python -m dflash.training.vocab TARGET_DIR DRAFT/draft_vocab.json`, or leave the option out",
+        )
+    try:
+        data = json.loads(path.read_text())
+        ranking = [int(token) for token in data["ranking"]]
+        size = size if size is not None else data.get("size")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ModelFormatError(f"{path} is not a draft vocabulary ranking ({exc})", "rebuild it with `python -m dflash.training.vocab`") from exc
+    if size is None:
+        return None
+    if size < 0 or size > len(ranking):
+        raise InputError(f"draft vocabulary size {size} is outside 0..{len(ranking)}, the tokens {path} ranks",
+                         "choose a size within that range (0: the whole vocabulary)")  # fmt: skip
+    return ranking[:size]
+
+
+def add_draft_rt_info(ov_model, config: DraftConfig, draft_vocab: list[int] | None = None) -> None:
     """Write the contract's rt_info (all values strings) onto the backbone."""
     write_rt_info(ov_model, "True", "dflash_mode")
     entries = {
@@ -212,6 +245,8 @@ def add_draft_rt_info(ov_model, config: DraftConfig) -> None:
     }
     if config.markov_rank > 0:
         entries["markov_head_type"] = config.markov_head_type
+    if draft_vocab is not None:
+        entries["draft_vocab"] = ",".join(map(str, draft_vocab))
     for key, value in entries.items():
         write_rt_info(ov_model, value, "dflash", key)
 

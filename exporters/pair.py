@@ -36,13 +36,14 @@ def export_models(
     draft: str | Path | None = None,
     weight_format: str = "fp16",
     draft_weight_format: str | None = None,
+    draft_vocab_size: int | None = None,
     trust_remote_code: bool = False,
     overwrite: bool = False,
     on_step: StepCallback | None = None,
 ) -> ExportResult:
     """Export MODEL (a target or a draft) to OUTPUT_DIR; with `draft`, the pair to target/ and draft/.
 
-    A pair is validated at the end (the report is returned; the caller decides what a failure means).
+    `draft_vocab_size`: see `export_draft`. A pair is validated at the end (the report is returned; the caller decides what a failure means).
     OUTPUT_DIR (with a pair: OUTPUT_DIR/target and OUTPUT_DIR/draft) must be new, empty or a previous
     export of the same kind unless `overwrite`; each model is staged and published atomically.
     """
@@ -60,7 +61,7 @@ def export_models(
 
     if draft is None:
         if role == "draft":
-            result.draft_dir = _export_draft(model, output_dir, draft_weight_format, None, overwrite, on_step)
+            result.draft_dir = _export_draft(model, output_dir, draft_weight_format, draft_vocab_size, None, overwrite, on_step)
         else:
             result.target_dir = _export_target(model, output_dir, weight_format, trust_remote_code, overwrite, on_step)
         return result
@@ -77,7 +78,7 @@ def export_models(
         )
     result.target_dir = _export_target(model, output_dir / "target", weight_format, trust_remote_code, overwrite, on_step)
     hidden = json.loads((result.target_dir / "config.json").read_text()).get("hidden_size")
-    result.draft_dir = _export_draft(draft, output_dir / "draft", draft_weight_format, hidden, overwrite, on_step)
+    result.draft_dir = _export_draft(draft, output_dir / "draft", draft_weight_format, draft_vocab_size, hidden, overwrite, on_step)
 
     from .validate import validate_draft
 
@@ -94,8 +95,9 @@ def _export_target(model, out: Path, weight_format: str, trust_remote_code: bool
                          overwrite=overwrite, on_step=on_step)  # fmt: skip
 
 
-def _export_draft(draft, out: Path, weight_format: str, target_hidden_size: int | None, overwrite: bool, on_step) -> Path:
+def _export_draft(draft, out: Path, weight_format: str, vocab_size: int | None, target_hidden_size: int | None,
+                  overwrite: bool, on_step) -> Path:  # fmt: skip
     from .draft import export_draft
 
-    return export_draft(draft, out, weight_format=weight_format, target_hidden_size=target_hidden_size,
-                        overwrite=overwrite, on_step=on_step)  # fmt: skip
+    return export_draft(draft, out, weight_format=weight_format, draft_vocab_size=vocab_size,
+                        target_hidden_size=target_hidden_size, overwrite=overwrite, on_step=on_step)  # fmt: skip

@@ -433,6 +433,26 @@ def check_candidate_position_offset(draft: _Draft) -> CheckResult:
     return _passed(name, f"candidate_position_offset {offset} ({meaning})")
 
 
+def check_draft_vocab(draft: _Draft, target: _Target | None) -> CheckResult:
+    name = "draft_vocab"
+    text = draft.rt("dflash", "draft_vocab")
+    if text is None:
+        return _passed(name, "no draft vocabulary: the draft proposes from the whole target vocabulary")
+    try:
+        ids = [int(part) for part in text.split(",")]
+    except ValueError:
+        return _failed(name, "rt_info dflash/draft_vocab is not comma-separated integers", REEXPORT_DRAFT)
+    if len(set(ids)) != len(ids) or min(ids) < 0:
+        return _failed(name, "rt_info dflash/draft_vocab repeats ids or holds negative ones", REEXPORT_DRAFT)
+    if target is not None and target.vocab_size is not None and max(ids) >= target.vocab_size:
+        return _failed(
+            name,
+            f"draft_vocab holds id {max(ids)}, outside the target vocabulary ({target.vocab_size} from {target.vocab_source})",
+            f"validate against the target the draft was trained for, or {REEXPORT_DRAFT} with its own draft_vocab.json",
+        )
+    return _passed(name, f"draft vocabulary of {len(ids)} tokens (its lm_head covers only these)")
+
+
 def check_markov_head(draft: _Draft, target: _Target | None) -> CheckResult:
     name = "markov_head"
     head_file = draft.folder / MARKOV_HEAD_FILE
@@ -603,6 +623,7 @@ def validate_draft(
         ("block_size", lambda: check_draft_block_size(draft)),
         ("candidate_position_offset", lambda: check_candidate_position_offset(draft)),
         ("markov_head", lambda: check_markov_head(draft, target)),
+        ("draft_vocab", lambda: check_draft_vocab(draft, target)),
     ]
     if check_paged:
         steps.append(("paged_attention", lambda: _paged_step(draft, report)))

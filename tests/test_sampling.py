@@ -31,6 +31,7 @@ constant schedule (the number of candidates each step verifies depends only on t
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -65,7 +66,7 @@ from dflash.exporters.constructed import (
     scale_residual_writes,
     unit_final_norm,
 )
-from dflash.exporters.draft import export_draft
+from dflash.exporters.draft import DRAFT_VOCAB_FILE, export_draft
 from dflash.exporters.draft_checkpoint import make_tiny_draft
 from dflash.exporters.target import export_target
 
@@ -135,11 +136,15 @@ def pair(tmp_path_factory) -> Pair:
                              draft_block_size=BLOCK_SIZE, num_layers=1, seed=2)  # fmt: skip
     edit_weights(dspark, lambda w: (scale_residual_writes(w, 0.0), unit_final_norm(w)))
     _markov_toward_successors(dspark, succ)
+    vocab = json.loads((chain_hf / "config.json").read_text())["vocab_size"]
+    # A draft vocabulary of the even token ids: the draft cannot propose half of what the target says.
+    (dspark / DRAFT_VOCAB_FILE).write_text(json.dumps({"ranking": list(range(0, vocab, 2)) + list(range(1, vocab, 2))}))
     return Pair(
         target=export_target(chain_hf, root / "ov-chain", weight_format="fp32"),
         drafts={
             "dflash_zero": export_draft(dflash, root / "ov-dflash-zero", weight_format="fp32"),
             "dspark_markov": export_draft(dspark, root / "ov-dspark", weight_format="fp32"),
+            "dspark_cut": export_draft(dspark, root / "ov-dspark-cut", weight_format="fp32", draft_vocab_size=vocab // 2),
         },
         logits=_target_logits(chain_hf),
         succ=succ,
@@ -153,6 +158,7 @@ DRAFTS = {  # engine draft name -> (exported draft, engine config)
     "dflash_zero": ("dflash_zero", {}),
     "dspark_dense": ("dspark_markov", {"markov_head_top_k": 0}),
     "dspark_lattice": ("dspark_markov", {}),
+    "dspark_cut_vocab": ("dspark_cut", {"markov_head_top_k": 0}),  # proposes even token ids only
 }
 
 
@@ -361,7 +367,7 @@ def runs(pair) -> dict[tuple[str, str], Samples]:
 
 
 RUNS = [("dflash_zero", "argmax"), ("dflash_zero", "sampled"), ("dspark_dense", "argmax"), ("dspark_dense", "sampled"),
-        ("dspark_lattice", "sampled")]  # fmt: skip
+        ("dspark_lattice", "sampled"), ("dspark_cut_vocab", "sampled")]  # fmt: skip
 
 
 @pytest.mark.parametrize("draft, mode", RUNS)
@@ -369,7 +375,9 @@ def test_speculative_sampling_is_lossless(pair, runs, draft, mode):
     samples = runs[(draft, mode)]
     assert_lossless(pair, samples)
     acceptance = samples.acceptance
-    if draft == "dflash_zero":
+    if draft == "dspark_cut_vocab":  # drafts, and is rejected where the target says an odd token
+        assert 0 < acceptance[("t1.0", "cycle")] < 0.9, acceptance
+    elif draft == "dflash_zero":
         # It agrees after A and disagrees everywhere on the cycle: both are really exercised.
         assert acceptance[("t1.0", "constant")] > 0.4, acceptance
         assert acceptance[("t1.0", "cycle")] < 0.15, acceptance

@@ -40,6 +40,7 @@ ALL_CHECKS = [
     "block_size",
     "candidate_position_offset",
     "markov_head",
+    "draft_vocab",
     "paged_attention",
 ]
 MARKOV_RANK = 8
