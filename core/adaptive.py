@@ -144,8 +144,12 @@ class AcceptanceCounts:
                 q.append(q[-1] * _ratio(prior, i) if prior is not None else _extrapolate(q))
             elif prior is not None and drafted + prior_weight > 1e-9:
                 q.append((accepted + prior_weight * prior[i]) / (drafted + prior_weight))
-            elif drafted > 1e-9:
+            elif drafted >= 1.0 or (drafted > 1e-9 and not q):
                 q.append(accepted / drafted)
+            elif drafted > 1e-9:  # less than one verification's worth left (decayed): what is missing of
+                # it comes from the extrapolation, so a position drafted long ago and failed then does
+                # not pin q at 0 (nothing would draft there again to correct it)
+                q.append(accepted + (1.0 - drafted) * _extrapolate(q))
             else:
                 q.append(prior[i] if prior is not None else _extrapolate(q))
         for i in range(1, length):

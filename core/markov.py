@@ -110,9 +110,13 @@ class MarkovHeadRunner:
         anchors: Sequence[int],
         top_k: int,
         sampling: Sequence[Sampling | None] | None = None,
+        vocab_ids: np.ndarray | None = None,
     ) -> list[list[int] | Proposal]:
         """The drafted tokens of each request: its candidate rows' base logits [K_r, V] and its anchor
         (the token before the first candidate row) in, K_r tokens (fewer where a block ends) out.
+
+        `vocab_ids`: a draft with a draft vocabulary gives base logits over those target tokens only
+        ([K_r, len(vocab_ids)]); the walks stay inside them and return target ids.
 
         `top_k` 0 runs the dense walk, > 0 the Top-K lattice with that K (see `resolve_top_k`).
         `sampling`, per request: None walks the argmax; (params, key, position) draws each token (row r
@@ -124,37 +128,42 @@ class MarkovHeadRunner:
             raise ValueError("one sampling entry per request is needed")
         if len(base_logits_per_request) != len(anchors):
             raise ValueError("one anchor per request is needed")
+        width = self.vocab_size if vocab_ids is None else len(vocab_ids)
         for logits in base_logits_per_request:
-            if logits.ndim != 2 or (len(logits) and logits.shape[1] != self.vocab_size):
+            if logits.ndim != 2 or (len(logits) and logits.shape[1] != width):
                 raise ModelFormatError(
-                    f"the draft's logits have shape {list(logits.shape)}, the Markov head's vocabulary is {self.vocab_size}",
+                    f"the draft's logits have shape {list(logits.shape)}, the Markov head expects {width} per row",
                     "use the Markov head exported with this draft, for this target",
                 )
         if top_k == 0:
-            return self._dense_walk(base_logits_per_request, anchors, sampling)
-        return self._lattice_walk(base_logits_per_request, anchors, min(top_k, self.vocab_size), sampling)
+            return self._dense_walk(base_logits_per_request, anchors, sampling, vocab_ids)
+        return self._lattice_walk(base_logits_per_request, anchors, min(top_k, width), sampling, vocab_ids)
 
-    def _dense_walk(self, base: Sequence[np.ndarray], anchors: Sequence[int],
-                    sampling: Sequence[Sampling | None]) -> list[list[int] | Proposal]:  # fmt: skip
+    def _dense_walk(self, base: Sequence[np.ndarray], anchors: Sequence[int], sampling: Sequence[Sampling | None],
+                    vocab_ids: np.ndarray | None) -> list[list[int] | Proposal]:  # fmt: skip
         drafted: list[list[int]] = [[] for _ in base]
-        probs: list[list[np.ndarray]] = [[] for _ in base]
+        probs: list[list] = [[] for _ in base]
         for position in range(max((len(u) for u in base), default=0)):
             active = [i for i, u in enumerate(base) if len(u) > position]
             prev = [drafted[i][-1] if position else anchors[i] for i in active]
             bias = self.markov_bias(np.asarray(prev, dtype=np.int64))  # one call for every request here
+            if vocab_ids is not None:
+                bias = bias[:, vocab_ids]
             for row, i in enumerate(active):
                 logits = base[i][position] + bias[row]
                 if sampling[i] is None:
-                    drafted[i].append(int(np.argmax(logits)))
+                    index = int(np.argmax(logits))
                 else:
                     params, key, first = sampling[i]
-                    probs[i].append(filtered_probs(logits, params))
-                    drafted[i].append(draw(uniform(key, first + position, DRAFT_STREAM), probs[i][-1]))
+                    q = filtered_probs(logits, params)
+                    probs[i].append(q if vocab_ids is None else (vocab_ids, q))
+                    index = draw(uniform(key, first + position, DRAFT_STREAM), q)
+                drafted[i].append(index if vocab_ids is None else int(vocab_ids[index]))
         return [_proposal(tokens, rows, how, self.vocab_size) for tokens, rows, how in zip(drafted, probs, sampling)]
 
-    def _lattice_walk(self, base: Sequence[np.ndarray], anchors: Sequence[int], k: int,
-                      sampling: Sequence[Sampling | None]) -> list[list[int] | Proposal]:  # fmt: skip
-        lattices = [build_lattice(u, anchor, k) for u, anchor in zip(base, anchors)]
+    def _lattice_walk(self, base: Sequence[np.ndarray], anchors: Sequence[int], k: int, sampling: Sequence[Sampling | None],
+                      vocab_ids: np.ndarray | None) -> list[list[int] | Proposal]:  # fmt: skip
+        lattices = [build_lattice(u, anchor, k, vocab_ids) for u, anchor in zip(base, anchors)]
         lattices_with_rows = [lat for lat in lattices if lat.num_rows]
         if not lattices_with_rows:
             return [_proposal([], [], how, self.vocab_size) for how in sampling]
@@ -200,16 +209,18 @@ def top_k_candidates(logits: np.ndarray, k: int) -> np.ndarray:
     return np.take_along_axis(part, order, axis=1)
 
 
-def build_lattice(base_logits: np.ndarray, anchor: int, k: int) -> Lattice:
-    """The lattice of one request: base logits [K_r, V] of its candidate rows, its anchor token."""
+def build_lattice(base_logits: np.ndarray, anchor: int, k: int, vocab_ids: np.ndarray | None = None) -> Lattice:
+    """The lattice of one request: base logits [K_r, V] of its candidate rows, its anchor token.
+    With `vocab_ids`, the logits cover those target tokens only and the lattice holds their target ids."""
     if len(base_logits) == 0:
         empty = np.zeros((0, k), dtype=np.int64)
         return Lattice(empty, np.zeros((0, k), dtype=np.float32), empty)
-    candidates = top_k_candidates(base_logits, k).astype(np.int64)
+    columns = top_k_candidates(base_logits, k).astype(np.int64)
+    candidates = columns if vocab_ids is None else vocab_ids[columns]
     prev = np.empty_like(candidates)
     prev[0] = anchor  # the first row's only predecessor; repeated so that every row is K wide
     prev[1:] = candidates[:-1]
-    return Lattice(candidates, np.take_along_axis(base_logits, candidates, axis=1), prev)
+    return Lattice(candidates, np.take_along_axis(base_logits, columns, axis=1), prev)
 
 
 def greedy_lattice_walk(lattice: Lattice, edge_scores: np.ndarray, anchor: int) -> list[int]:

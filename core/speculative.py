@@ -317,9 +317,8 @@ class DFlashDrafter:
             return candidates
         # The token before the first candidate row is the seed/anchor: the newest committed token.
         picked = self.markov.select_candidates(
-            [self.runner.full_logits(logits) for _, logits in drafting], [request.all_token_ids[-1] for request, _ in drafting],
-            self.markov_top_k,
-            sampling=sampling,
+            [logits for _, logits in drafting], [request.all_token_ids[-1] for request, _ in drafting], self.markov_top_k,
+            sampling=sampling, vocab_ids=self.runner.vocab_ids,
         )  # fmt: skip
         return {request.req_id: tokens if isinstance(tokens, Proposal) else tuple(tokens)
                 for (request, _), tokens in zip(drafting, picked)}  # fmt: skip

@@ -153,3 +153,19 @@ def test_the_prior_is_weak_when_requests_differ_and_strong_when_they_accept_alik
     assert differ.prior_strength() == 1.0  # each request follows its own evidence
     assert alike.prior_strength() >= 12.0
     assert AdaptiveSchedule().prior_strength() == AdaptiveSchedule().prior_weight  # too few requests to tell
+
+
+def test_a_position_drafted_long_ago_is_not_pinned_at_zero():
+    """Evidence that decayed below one verification is topped up with the extrapolation: a deep
+    position that failed once, long ago, is estimated from the positions before it, not as 0."""
+    counts = AcceptanceCounts(decay=0.9)
+    counts.observe(4, 0)  # one early failure at every position
+    for _ in range(60):
+        counts.observe(2, 1)  # since then: position 0 always accepted, position 1 never
+    q = counts.estimate(4)
+    assert q[0] == pytest.approx(1.0, abs=1e-3) and q[1] < 0.01
+    counts = AcceptanceCounts(decay=0.9)
+    counts.observe(5, 0)  # long ago
+    for _ in range(60):
+        counts.observe(3, 3)
+    assert counts.estimate(5)[3] > 0.5  # decayed failure at position 3: follows positions 0-2 (all accepted)

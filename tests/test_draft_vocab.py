@@ -47,6 +47,7 @@ def models(tmp_path_factory, tiny_target_src) -> dict[str, Path]:
         "cut": export_draft(checkpoint, root / "draft-cut", weight_format="fp32"),
         "full": export_draft(checkpoint, root / "draft-full", weight_format="fp32", draft_vocab_size=0),
         "ranking": ranking,
+        "target_src": tiny_target_src,
     }
 
 
@@ -147,3 +148,38 @@ def test_ranking_and_coverage():
     ranking = rank_tokens(counts)
     assert ranking[:3].tolist() == [5, 3, 1] and ranking[3:].tolist() == [0, 2, 4, 6, 7]  # ties by id
     assert coverage(ranking, counts, sizes=(1, 2, 3)) == {1: 0.5, 2: round(5 / 6, 5), 3: 1.0}
+
+
+def test_a_size_beyond_the_ranked_tokens_adds_unseen_ones_lowest_id_first(tmp_path):
+    from dflash.exporters.draft import resolve_draft_vocab
+
+    (tmp_path / DRAFT_VOCAB_FILE).write_text(json.dumps({"ranking": [9, 4, 7], "vocab_size": 12, "size": 2}))
+    assert resolve_draft_vocab(tmp_path, None) == [9, 4]  # the file's own size
+    assert resolve_draft_vocab(tmp_path, 6) == [9, 4, 7, 0, 1, 2]
+    assert resolve_draft_vocab(tmp_path, 0) is None
+    with pytest.raises(InputError, match="outside 0..12"):
+        resolve_draft_vocab(tmp_path, 13)
+    assert resolve_draft_vocab(tmp_path / "elsewhere", None) is None  # no file, no size: the whole vocabulary
+
+
+@pytest.mark.parametrize("top_k", [0, 4], ids=["dense-walk", "lattice"])
+def test_markov_walks_over_a_cut_vocabulary_equal_walks_over_the_widened_logits(models, tmp_path, top_k):
+    """The Markov head walks the cut logits directly (no widening to the whole vocabulary): the same
+    tokens as walking the whole vocabulary with -inf outside the draft's."""
+    from dflash.core.markov import load_markov_head
+
+    checkpoint = make_tiny_draft(tmp_path / "dspark-src", models["target_src"], kind="dspark", markov_rank=8, seed=6)
+    exported = export_draft(checkpoint, tmp_path / "dspark", weight_format="fp32")
+    head = load_markov_head(exported, read_ov_model(exported))
+    rng = np.random.default_rng(2)
+    ids = np.array(models["ranking"][:KEEP])
+    base = [rng.normal(size=(rows, VOCAB)).astype(np.float32) * 3 for rows in (3, 1, 0)]
+    widened = []
+    for logits in base:
+        w = np.full_like(logits, -np.inf)
+        w[:, ids] = logits[:, ids]
+        widened.append(w)
+    anchors = [int(ids[0]), 5, int(ids[3])]
+    cut = head.select_candidates([u[:, ids] for u in base], anchors, top_k, vocab_ids=ids)
+    assert cut == head.select_candidates(widened, anchors, top_k)
+    assert all(token in set(ids.tolist()) for tokens in cut for token in tokens) and len(cut[0]) > 0

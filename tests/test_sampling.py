@@ -159,6 +159,7 @@ DRAFTS = {  # engine draft name -> (exported draft, engine config)
     "dspark_dense": ("dspark_markov", {"markov_head_top_k": 0}),
     "dspark_lattice": ("dspark_markov", {}),
     "dspark_cut_vocab": ("dspark_cut", {"markov_head_top_k": 0}),  # proposes even token ids only
+    "dspark_cut_lattice": ("dspark_cut", {}),
 }
 
 
@@ -367,7 +368,8 @@ def runs(pair) -> dict[tuple[str, str], Samples]:
 
 
 RUNS = [("dflash_zero", "argmax"), ("dflash_zero", "sampled"), ("dspark_dense", "argmax"), ("dspark_dense", "sampled"),
-        ("dspark_lattice", "sampled"), ("dspark_cut_vocab", "sampled")]  # fmt: skip
+        ("dspark_lattice", "sampled"), ("dspark_cut_vocab", "sampled"),
+        ("dspark_cut_lattice", "sampled")]  # fmt: skip
 
 
 @pytest.mark.parametrize("draft, mode", RUNS)
@@ -375,7 +377,7 @@ def test_speculative_sampling_is_lossless(pair, runs, draft, mode):
     samples = runs[(draft, mode)]
     assert_lossless(pair, samples)
     acceptance = samples.acceptance
-    if draft == "dspark_cut_vocab":  # drafts, and is rejected where the target says an odd token
+    if draft.startswith("dspark_cut"):  # drafts, and is rejected where the target says an odd token
         assert 0 < acceptance[("t1.0", "cycle")] < 0.9, acceptance
     elif draft == "dflash_zero":
         # It agrees after A and disagrees everywhere on the cycle: both are really exercised.
