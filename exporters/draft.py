@@ -222,14 +222,18 @@ def resolve_draft_vocab(source: Path, size: int | None) -> list[int] | None:
     try:
         data = json.loads(path.read_text())
         ranking = [int(token) for token in data["ranking"]]
+        vocab_size = int(data.get("vocab_size", len(ranking)))
         size = size if size is not None else data.get("size")
     except (ValueError, KeyError, TypeError) as exc:
         raise ModelFormatError(f"{path} is not a draft vocabulary ranking ({exc})", "rebuild it with `python -m dflash.training.vocab`") from exc
     if size is None:
         return None
-    if size < 0 or size > len(ranking):
-        raise InputError(f"draft vocabulary size {size} is outside 0..{len(ranking)}, the tokens {path} ranks",
+    if size < 0 or size > vocab_size:
+        raise InputError(f"draft vocabulary size {size} is outside 0..{vocab_size}, the target's vocabulary by {path}",
                          "choose a size within that range (0: the whole vocabulary)")  # fmt: skip
+    if size > len(ranking):  # tokens the ranking never saw, lowest id first (a BPE's earlier, commoner merges)
+        seen = set(ranking)
+        ranking += [token for token in range(vocab_size) if token not in seen][: size - len(ranking)]
     return ranking[:size]
 
 
