@@ -58,7 +58,9 @@ def generated_answers(target_dir: str | Path, prompts: Sequence[str], *, max_new
 
 
 def build(target_dir: str | Path, *, num_prompts: int, max_new_tokens: int, concurrency: int, seed: int = 0) -> dict:
-    """Rank on the answers to half of `num_prompts` built-in prompts, measure coverage on the other half."""
+    """Rank the target's tokens by its answers to `num_prompts` built-in prompts. Coverage is measured
+    held out by prompt (a ranking made on one half, counted on the other), then the ranking that is kept
+    is made on all the answers."""
     from dflash.training.prompts import builtin_prompts
 
     prompts = builtin_prompts(num_prompts, seed=seed)
@@ -66,15 +68,16 @@ def build(target_dir: str | Path, *, num_prompts: int, max_new_tokens: int, conc
     vocab_size = _vocab_size(target_dir)
     half = len(answers) // 2
     ranked_counts, held_out_counts = count_tokens(answers[:half], vocab_size), count_tokens(answers[half:], vocab_size)
-    ranking = rank_tokens(ranked_counts)
+    held_out = coverage(rank_tokens(ranked_counts), held_out_counts)
+    counts = ranked_counts + held_out_counts
     return {
-        "source": f"greedy answers of the target to {half} built-in training prompts (chat template, "
-                  f"{max_new_tokens} new tokens, EOS ignored); coverage on the answers to {len(answers) - half} others",
+        "source": f"greedy answers of the target to {len(answers)} built-in training prompts (chat template, "
+                  f"{max_new_tokens} new tokens, EOS ignored); held-out coverage: ranked on the answers to "
+                  f"{half} prompts, counted on the other {len(answers) - half}",
         "vocab_size": vocab_size,
-        "ranked_tokens": int(ranked_counts.sum()),
-        "held_out_tokens": int(held_out_counts.sum()),
-        "held_out_coverage": {str(n): c for n, c in coverage(ranking, held_out_counts).items()},
-        "ranking": ranking[: int(np.count_nonzero(ranked_counts))].tolist(),
+        "tokens": int(counts.sum()),
+        "held_out_coverage": {str(n): c for n, c in held_out.items()},
+        "ranking": rank_tokens(counts)[: int(np.count_nonzero(counts))].tolist(),
     }  # fmt: skip
 
 
