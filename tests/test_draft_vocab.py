@@ -183,3 +183,17 @@ def test_markov_walks_over_a_cut_vocabulary_equal_walks_over_the_widened_logits(
     cut = head.select_candidates([u[:, ids] for u in base], anchors, top_k, vocab_ids=ids)
     assert cut == head.select_candidates(widened, anchors, top_k)
     assert all(token in set(ids.tolist()) for tokens in cut for token in tokens) and len(cut[0]) > 0
+
+
+def test_the_ranking_tool_ranks_what_the_target_generates(models):
+    """`python -m dflash.training.vocab` on a tiny target: the ranking holds exactly the tokens its
+    answers used, most frequent first."""
+    from dflash.training.prompts import builtin_prompts
+    from dflash.training.vocab import build, generated_answers
+
+    info = build(models["target_f32"], num_prompts=8, max_new_tokens=6, concurrency=4)
+    answers = generated_answers(models["target_f32"], builtin_prompts(8), max_new_tokens=6, concurrency=4)
+    counts = count_tokens(answers, VOCAB)
+    assert info["vocab_size"] == VOCAB and info["tokens"] == 48
+    assert sorted(info["ranking"]) == sorted(np.flatnonzero(counts).tolist())
+    assert [counts[t] for t in info["ranking"]] == sorted((counts[t] for t in info["ranking"]), reverse=True)
