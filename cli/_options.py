@@ -27,6 +27,13 @@ class AssistantSchedule(str, Enum):
     adaptive = "adaptive"
 
 
+class DraftProposals(str, Enum):
+    """How the draft proposes for sampling requests (core.config.EngineConfig.draft_proposals)."""
+
+    argmax = "argmax"
+    sampled = "sampled"
+
+
 class WeightFormat(str, Enum):
     fp32 = "fp32"
     fp16 = "fp16"
@@ -108,6 +115,14 @@ PrefixCachingOpt = Annotated[bool, typer.Option("--prefix-caching/--no-prefix-ca
 DynamicSplitFuseOpt = Annotated[
     bool, typer.Option("--dynamic-split-fuse/--no-dynamic-split-fuse", help="Mix prompt chunks and generation rows in one step.")
 ]
+DraftProposalsOpt = Annotated[
+    DraftProposals,
+    typer.Option(
+        "--draft-proposals",
+        help="Under sampling (--temperature > 0): argmax proposes the draft's deterministic candidates, sampled draws "
+        "them from its distributions. Both are verified by speculative sampling (output distributed as the target's own).",
+    ),
+]
 OvConfigOpt = Annotated[
     Optional[list[str]],
     typer.Option(
@@ -120,7 +135,8 @@ OvConfigOpt = Annotated[
 
 def engine_config(*, device: str, ov_config: list[str] | None, kv_cache_size: float,
                   draft_kv_cache_size: float | None, max_num_batched_tokens: int, max_num_seqs: int,
-                  prefix_caching: bool = True, dynamic_split_fuse: bool = True, markov_top_k: int | None = None):  # fmt: skip
+                  prefix_caching: bool = True, dynamic_split_fuse: bool = True, markov_top_k: int | None = None,
+                  draft_proposals: str = "argmax"):  # fmt: skip
     """The EngineConfig of the engine options (a malformed --ov-config is a usage error, exit 2)."""
     from dflash.core.config import EngineConfig
 
@@ -134,6 +150,7 @@ def engine_config(*, device: str, ov_config: list[str] | None, kv_cache_size: fl
         enable_prefix_caching=prefix_caching,
         dynamic_split_fuse=dynamic_split_fuse,
         markov_head_top_k=markov_top_k,
+        draft_proposals=draft_proposals,
     )
 
 

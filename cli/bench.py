@@ -23,6 +23,7 @@ from ._options import (
     DraftKind,
     DraftKvCacheSizeOpt,
     DraftOpt,
+    DraftProposals,
     DynamicSplitFuseOpt,
     KvCacheSizeOpt,
     MarkovTopKHelp,
@@ -84,6 +85,11 @@ def bench(
     top_p: TopPOpt = 1.0,
     top_k: TopKOpt = 0,
     seed: SeedOpt = None,
+    draft_proposals: Annotated[
+        str,
+        typer.Option("--draft-proposals", help="Under sampling (--temperature > 0), comma-separated: argmax (the draft's "
+                     "deterministic candidates) and/or sampled (drawn from its distributions); both verified by speculative sampling."),
+    ] = "argmax",
     device: DeviceOpt = "CPU",
     ov_config: OvConfigOpt = None,
     kv_cache_size: KvCacheSizeOpt = DEFAULT_KV_CACHE_GIB,
@@ -127,7 +133,9 @@ def _parse_sweep(o: SimpleNamespace) -> SimpleNamespace:
         raise typer.BadParameter("0 (no drafting) is the baseline, which bench runs at every concurrency", param_hint="--num-assistant-tokens")
     top_ks = _int_list(o.markov_top_k, "--markov-top-k", minimum=0, auto=True)
     schedules = _choice_list(o.num_assistant_tokens_schedule, "--num-assistant-tokens-schedule", tuple(s.value for s in AssistantSchedule))
-    return SimpleNamespace(concurrencies=concurrencies, assistant_tokens=assistant_tokens, top_ks=top_ks, schedules=schedules)
+    proposals = _choice_list(o.draft_proposals, "--draft-proposals", tuple(p.value for p in DraftProposals))
+    return SimpleNamespace(concurrencies=concurrencies, assistant_tokens=assistant_tokens, top_ks=top_ks, schedules=schedules,
+                           proposals=proposals)  # fmt: skip
 
 
 def _run_sweep(o: SimpleNamespace, sweep: SimpleNamespace, output: Output):
@@ -159,7 +167,7 @@ def _run_sweep(o: SimpleNamespace, sweep: SimpleNamespace, output: Output):
         target_dir=target_dir, draft_dir=draft, prompts=prompts, engine_config=config,
         max_new_tokens=o.max_new_tokens, concurrencies=sweep.concurrencies, num_assistant_tokens=sweep.assistant_tokens,
         schedules=sweep.schedules, markov_top_ks=sweep.top_ks, chat=o.chat, warmup=o.warmup, rounds=o.rounds,
-        baseline=not o.no_baseline, dataset=o.dataset, sampling=sampling,
+        baseline=not o.no_baseline, dataset=o.dataset, sampling=sampling, draft_proposals=tuple(sweep.proposals),
     )  # fmt: skip
     with _LiveProgress(output, o.json_file) as progress:
         return run_bench(options, progress)

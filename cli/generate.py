@@ -23,6 +23,8 @@ from ._options import (
     DraftKind,
     DraftKvCacheSizeOpt,
     DraftOpt,
+    DraftProposals,
+    DraftProposalsOpt,
     DynamicSplitFuseOpt,
     JsonOpt,
     KvCacheSizeOpt,
@@ -84,6 +86,7 @@ def generate(
     top_p: TopPOpt = 1.0,
     top_k: TopKOpt = 0,
     seed: SeedOpt = None,
+    draft_proposals: DraftProposalsOpt = DraftProposals.argmax,
     device: DeviceOpt = "CPU",
     ov_config: OvConfigOpt = None,
     kv_cache_size: KvCacheSizeOpt = DEFAULT_KV_CACHE_GIB,
@@ -126,7 +129,7 @@ def _load(o: SimpleNamespace, output: Output) -> tuple:
     config = engine_config(
         device=o.device, ov_config=o.ov_config, kv_cache_size=o.kv_cache_size, draft_kv_cache_size=o.draft_kv_cache_size,
         max_num_batched_tokens=o.max_num_batched_tokens, max_num_seqs=o.max_num_seqs, prefix_caching=o.prefix_caching,
-        dynamic_split_fuse=o.dynamic_split_fuse, markov_top_k=o.markov_top_k,
+        dynamic_split_fuse=o.dynamic_split_fuse, markov_top_k=o.markov_top_k, draft_proposals=o.draft_proposals.value,
     )  # fmt: skip
     params = sampling_params(
         temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, seed=o.seed, max_new_tokens=o.max_new_tokens,

@@ -122,3 +122,25 @@ def test_completion_offers_commands_and_choices():
     env.update(COMP_WORDS="dflash va", COMP_CWORD="1")
     done = subprocess.run([str(program)], env=env, capture_output=True, text=True, check=True)
     assert done.stdout.split() == ["validate"]
+
+
+def test_draft_options_are_checked_as_usage_errors(tmp_path):
+    """--draft-proposals takes argmax/sampled (bench: a comma-separated sweep of them); --draft-vocab-size >= 0."""
+    assert runner.invoke(app, ["generate", str(tmp_path), "hi", "--draft-proposals", "greedy"]).exit_code == 2
+    result = runner.invoke(app, ["bench", str(tmp_path), "--draft-proposals", "argmax,nope"])
+    assert result.exit_code == 2 and "nope" in result.output + result.stderr
+    assert runner.invoke(app, ["export", str(tmp_path), str(tmp_path / "o"), "--draft-vocab-size", "-1"]).exit_code == 2
+
+
+def test_the_sweep_and_engine_options_carry_the_draft_proposals():
+    from types import SimpleNamespace
+
+    from dflash.cli._options import engine_config
+    from dflash.cli.bench import _parse_sweep
+
+    config = engine_config(device="CPU", ov_config=None, kv_cache_size=0.1, draft_kv_cache_size=None,
+                           max_num_batched_tokens=64, max_num_seqs=2, draft_proposals="sampled")  # fmt: skip
+    assert config.draft_proposals == "sampled"
+    sweep = _parse_sweep(SimpleNamespace(concurrency="1", num_assistant_tokens="auto", markov_top_k="auto",
+                                         num_assistant_tokens_schedule="adaptive", draft_proposals="argmax,sampled"))  # fmt: skip
+    assert sweep.proposals == ["argmax", "sampled"]
