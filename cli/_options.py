@@ -89,7 +89,8 @@ DraftOpt = Annotated[
     typer.Option("--draft", help="An exported DFlash/DSpark draft: speculative decoding beside the target.", show_default=False),
 ]
 DefaultDraftOpt = Annotated[
-    DraftKind, typer.Option("--default-draft", help="Without TARGET_DIR: which trained default draft runs beside SmolLM2.")
+    DraftKind, typer.Option("--default-draft", help="Without TARGET_DIR: which trained default draft runs beside SmolLM2 "
+                            "(DSpark: its Markov head accepts more at the same number of candidates).")
 ]
 SCHEDULE_HELP = (
     "adaptive: per request, the candidates whose measured acceptance pays for the measured cost of drafting "

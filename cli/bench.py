@@ -45,7 +45,7 @@ EXAMPLES = """\
 \b
 Examples:
   dflash bench                            # the default pair on HumanEval
-  dflash bench --default-draft dspark --num-prompts 10 --concurrency 1
+  dflash bench --default-draft dflash --num-prompts 10 --concurrency 1
   dflash bench out/target --draft out/draft --concurrency 1,4,8 \\
       --num-assistant-tokens 4,8,15 --json-file bench.json
   dflash bench --concurrency 1,8 --num-assistant-tokens 3,auto \\
@@ -65,7 +65,7 @@ def bench(
         Optional[Path], typer.Argument(help="An exported target folder (needs --draft). " + DEFAULT_PAIR_HELP, show_default=False)
     ] = None,
     draft: DraftOpt = None,
-    default_draft: DefaultDraftOpt = DraftKind.dflash,
+    default_draft: DefaultDraftOpt = DraftKind.dspark,
     dataset: Annotated[str, typer.Option("--dataset", help="humaneval (164 prompts) or a prompts file (.txt / .jsonl).")] = "humaneval",
     num_prompts: Annotated[int, typer.Option("--num-prompts", min=0, help="The first N prompts (0: all).")] = 16,
     concurrency: Annotated[str, typer.Option("--concurrency", help="Requests in flight, comma-separated: e.g. 1,4,8.")] = "1,4",

@@ -68,7 +68,7 @@ def generate(
         typer.Option("--prompts-file", help=".txt (one prompt per line) or .jsonl (prompt / messages / turns).", show_default=False),
     ] = None,
     draft: DraftOpt = None,
-    default_draft: DefaultDraftOpt = DraftKind.dflash,
+    default_draft: DefaultDraftOpt = DraftKind.dspark,
     num_assistant_tokens: Annotated[
         Optional[int],
         typer.Option("--num-assistant-tokens", min=0, help="Candidates per draft step at most (0: the target alone, no draft loaded).",

@@ -21,6 +21,10 @@ DRAFTS = {
     "dflash": "smollm2-135m-dflash-b16",
     "dspark": "smollm2-135m-dspark-b7",
 }
+# The draft generate and bench run without --default-draft: DSpark, whose Markov head makes its block
+# semi-autoregressive, accepts more than DFlash at the same number of candidates and runs faster on the
+# default pair (docs/benchmarks.md, 2026-12-04).
+DEFAULT_KIND = "dspark"
 TARGET_NAME = "smollm2-135m-instruct"
 TARGET_WEIGHT_FORMAT = "int8"
 DRAFT_WEIGHT_FORMAT = "fp16"
@@ -49,7 +53,7 @@ def cache_dir() -> Path:
     return Path(user_cache_dir("dflash"))
 
 
-def ensure_default_pair(kind: str | None = "dflash", *, on_step: Callable[[str], None] | None = None) -> DefaultPair:
+def ensure_default_pair(kind: str | None = DEFAULT_KIND, *, on_step: Callable[[str], None] | None = None) -> DefaultPair:
     """The exported default target and draft of `kind` ("dflash" or "dspark"; None: the target alone),
     exporting them if needed."""
     from dflash.core.errors import InputError

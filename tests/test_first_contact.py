@@ -75,7 +75,7 @@ def test_generate_and_bench_spell_and_type_shared_options_alike():
     generate = {p.name: p for p in commands["generate"].params}
     bench = {p.name: p for p in commands["bench"].params}
     shared = set(generate) & set(bench) - {"target_dir", "max_new_tokens", "num_assistant_tokens",
-                                           "num_assistant_tokens_schedule", "markov_top_k", "json_output"}  # fmt: skip
+                                           "num_assistant_tokens_schedule", "markov_top_k", "draft_proposals", "json_output"}  # fmt: skip
     assert {"temperature", "top_p", "top_k", "seed", "device", "ov_config", "kv_cache_size", "draft_kv_cache_size",
             "max_num_batched_tokens", "prefix_caching", "dynamic_split_fuse", "chat", "draft", "default_draft"} <= shared  # fmt: skip
     for name in shared:
