@@ -79,6 +79,7 @@ def train(
     ce_weight: Annotated[float, typer.Option("--ce-weight", help="Share of cross-entropy to the target's argmax in the loss (the rest is --loss).")] = 0.1,
     on_policy: Annotated[bool, typer.Option("--on-policy/--no-on-policy", help="Score only predictions on the target's own greedy chain (exact for greedy answers; what makes real text and sampled answers usable).")] = True,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the run saved in OUTPUT_DIR: weights, optimizer, schedule position, data order.")] = False,
+    init_from: Annotated[Optional[Path], typer.Option("--init-from", help="Start from the weights of this draft checkpoint (the same kind, layers, target layers, block and Markov rank) instead of a fresh draft; a new schedule (warm-up + cosine). Not with --resume.", show_default=False)] = None,
     stop_after: Annotated[Optional[float], typer.Option("--stop-after", help="End this session about this many seconds after the command started (data loading included), saving a resumable state; the schedule is not shortened.", show_default=False)] = None,
     save_every: Annotated[Optional[float], typer.Option("--save-every", help="Write the checkpoint and the resumable state every this many seconds.", show_default=False)] = None,
     save_dtype: Annotated[SaveDtype, typer.Option("--save-dtype", help="Precision of the saved weights.")] = SaveDtype.float16,
@@ -92,7 +93,7 @@ def train(
 ) -> None:
     """Train a DFlash or DSpark draft for TARGET and save it in OUTPUT_DIR.
 
-    Data: the target's own answers (chat template) to built-in prompts (coding and general instructions, no benchmark set) or to --prompts, or stretches of real text/code (--text-from); --data reuses files written earlier. Before training the data are decontaminated against benchmarks (--decontaminate, report in OUTPUT_DIR/decontamination.json), deduplicated (exact and near-duplicate answers) and split by prompt, so the held-out tau is measured on prompts training never saw. Training distils the target: random anchors, blocks of the anchor and mask tokens reading the target's hidden states, KL (or TV) to the target's distribution plus a little cross-entropy, with position decay; --kind dspark predicts from the anchor row and adds the Markov head. --resume continues a run; --stop-after / --save-every make a run fit in time slots. The checkpoint is in the z-lab (dflash) or DeepSpec (dspark) format that `dflash export` reads.
+    Data: the target's own answers (chat template) to built-in prompts (coding and general instructions, no benchmark set) or to --prompts, or stretches of real text/code (--text-from); --data reuses files written earlier. Before training the data are decontaminated against benchmarks (--decontaminate, report in OUTPUT_DIR/decontamination.json), deduplicated (exact and near-duplicate answers) and split by prompt, so the held-out tau is measured on prompts training never saw. Training distils the target: random anchors, blocks of the anchor and mask tokens reading the target's hidden states, KL (or TV) to the target's distribution plus a little cross-entropy, with position decay; --kind dspark predicts from the anchor row and adds the Markov head. --init-from warm-starts a new run from a trained checkpoint; --resume continues a run; --stop-after / --save-every make a run fit in time slots. The checkpoint is in the z-lab (dflash) or DeepSpec (dspark) format that `dflash export` reads.
     """
     options = SimpleNamespace(**locals())  # the parsed options, as one value for the helpers below
     started = time.monotonic()
@@ -106,6 +107,11 @@ def _run(o: SimpleNamespace, started: float, output: Output) -> None:
     from dflash.training.target import load_target, resolve_device
 
     _check_data_options(o)
+    if o.init_from is not None and o.resume:
+        from dflash.core.errors import InputError
+
+        raise InputError("--init-from starts a new run from a checkpoint's weights; it cannot be combined with --resume",
+                         hint="drop --init-from to continue the saved run")
     options = _train_options(o)
     torch_device = resolve_device(o.device.value if o.device else None)
     with output.status(f"Loading {o.target} on {torch_device}"):
@@ -131,7 +137,7 @@ def _run(o: SimpleNamespace, started: float, output: Output) -> None:
     result = _train(loaded, data, o.output_dir, options, index, output, summary, eval_sequences=o.eval_sequences,
                     dedup_threshold=o.dedup_threshold, resume=o.resume, save_every=o.save_every,
                     stop_after=None if o.stop_after is None else max(1.0, o.stop_after - (time.monotonic() - started)),
-                    eval_every=o.eval_every)
+                    eval_every=o.eval_every, init_from=o.init_from)
     summary["training"] = result.to_json()
     if o.json_output:
         output.json(summary)
@@ -245,7 +251,8 @@ def _benchmark_index(tokenizer, specs: Optional[list[str]], ngram: int, output: 
 
 
 def _train(loaded, data: list[Path], output_dir: Path, options, index, output: Output, summary: dict[str, Any], *,
-           eval_sequences: int, dedup_threshold: float, resume: bool, stop_after, save_every, eval_every):
+           eval_sequences: int, dedup_threshold: float, resume: bool, stop_after, save_every, eval_every,
+           init_from: Optional[Path] = None):
     """Read, decontaminate, dedupe and split the data by prompt; train; write the reports beside the checkpoint."""
     from dflash.training.data import read_dataset
     from dflash.training.decontam import decontaminate
@@ -296,6 +303,7 @@ def _train(loaded, data: list[Path], output_dir: Path, options, index, output: O
             stop_after_s=stop_after,
             save_every_s=save_every,
             eval_every=eval_every,
+            init_from=init_from,
         )
 
 

@@ -173,6 +173,44 @@ def test_resume_refuses_other_data(root, target, examples):
     assert resumed.finished and resumed.resumed_from_step == 2
 
 
+def test_init_from_starts_from_the_checkpoint_weights(root, target, examples):
+    # Warm start (issue 11: the default drafts retrained from the shipped ones): at step 0 the draft is
+    # the source checkpoint, so the held-out eval before training equals the source's final eval.
+    train_set, eval_set = examples[:-2], examples[-2:]
+    source = train_draft(target, train_set, root / "source", _options(steps=6), eval_examples=eval_set)
+    warm = train_draft(target, train_set, root / "warm", _options(steps=6), eval_examples=eval_set,
+                       init_from=root / "source", stop_after_steps=0)
+    assert warm.steps == 0 and warm.eval_before is not None
+    assert warm.eval_before.tau == pytest.approx(source.eval_after.tau, abs=1e-6)
+    assert warm.eval_before.loss == pytest.approx(source.eval_after.loss, rel=1e-5)
+    for name, tensor in warm.model.state_dict().items():
+        torch.testing.assert_close(tensor, source.model.state_dict()[name])
+    info = json.loads((root / "warm" / "training_info.json").read_text())
+    assert info["init_from"] == str(root / "source")
+    # A new schedule: the warm run trains its own 6 steps from warm-up, and a fresh draft differs.
+    trained = train_draft(target, train_set, root / "warm2", _options(steps=6), eval_examples=eval_set,
+                          init_from=root / "source")
+    assert trained.finished and trained.steps == 6 and trained.resumed_from_step == 0
+    assert trained.history[0].lr == pytest.approx(lr_at(3 / 6, 3e-3, 0.04), rel=1e-9)
+    fresh = train_draft(target, train_set, root / "fresh", _options(steps=6), eval_examples=eval_set, stop_after_steps=0)
+    assert fresh.eval_before.loss != pytest.approx(source.eval_after.loss, rel=1e-5)
+
+
+def test_init_from_refuses_another_draft_and_resume(root, target, examples):
+    from dflash.core.errors import InputError
+
+    train_draft(target, examples, root / "init-src", _options(steps=2))
+    for overrides, field in ((dict(num_layers=2), "num_hidden_layers 1 there, 2 here"),
+                             (dict(block_size=5), "draft_block_size 4 there, 5 here"),
+                             (dict(kind="dspark", block_size=4), "kind dflash there, dspark here")):
+        with pytest.raises(InputError, match=f"--init-from .* is another draft: .*{field}"):
+            train_draft(target, examples, root / "init-bad", _options(steps=2, **overrides), init_from=root / "init-src")
+    with pytest.raises(InputError, match="no draft checkpoint there"):
+        train_draft(target, examples, root / "init-bad", _options(steps=2), init_from=root / "nothing-here")
+    with pytest.raises(InputError, match="cannot be combined with --resume"):
+        train_draft(target, examples, root / "init-src", _options(steps=2), init_from=root / "init-src", resume=True)
+
+
 # --------------------------------------------------------------------------------------------------
 # The PyTorch evaluation against the engine
 

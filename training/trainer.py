@@ -550,6 +550,7 @@ def train_draft(
     save_every_s: float | None = None,
     eval_every: int | None = None,
     eval_log_sequences: int = 64,
+    init_from: str | Path | None = None,
 ) -> TrainResult:
     """Train a draft for `target` on `train_examples` and save its checkpoint in `output_dir`.
 
@@ -560,8 +561,14 @@ def train_draft(
     `stop_after_s` / `stop_after_steps` (the step count to reach) end this session early (the schedule
     is not shortened: resume to finish it);
     `save_every_s` writes the checkpoint and the resumable state that often.
+    `init_from` (a draft checkpoint folder, the format this function saves) starts a new run from its
+    weights instead of a fresh initialisation: the draft options must describe the same draft
+    (InputError otherwise), the optimizer and schedule start anew; it cannot be combined with `resume`.
     """
     options = options.resolved()
+    if init_from is not None and resume:
+        raise InputError("--init-from starts a new run from a checkpoint's weights; it cannot be combined with --resume",
+                         hint="drop --init-from to continue the saved run, or --resume to start a warm-started one")
     if not train_examples:
         raise InputError("no training sequences", hint="generate data first (--generate-data N)")
     output_dir = Path(output_dir)
@@ -594,6 +601,10 @@ def train_draft(
     config_dict, mask_id, mask_reason, layer_ids = build_draft_config(target, options)
     draft_config = parse_draft_config(config_dict, source="dflash train")
     draft = TrainableDraft(draft_config).to(target.device)
+    if init_from is not None:
+        draft.load_state_dict(init_weights(init_from, draft_config))
+    elif state is not None and state.get("init_from"):
+        init_from = state["init_from"]  # a resumed warm-started run keeps saying where it started
     pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else mask_id
     step_kwargs = dict(kind=options.kind, target_layer_ids=layer_ids, mask_token_id=mask_id, gamma=options.loss_gamma,
                        loss=options.loss, ce_weight=options.ce_weight, on_policy=options.on_policy)
@@ -634,6 +645,7 @@ def train_draft(
             "eval_sequences": len(eval_examples or []),
             "result": result.to_json(),
             "history": [entry.to_json() for entry in result.history],
+            **({"init_from": str(init_from)} if init_from is not None else {}),
             **(extra_info or {}),
         }
         save_trained_draft(output_dir, config_dict, draft.state_dict(), dtype=options.save_dtype,
@@ -653,6 +665,7 @@ def train_draft(
                 "rng": rng.getstate(),
                 "history": [entry.to_json() for entry in result.history],
                 "eval_before": asdict(result.eval_before) if result.eval_before else None,
+                "init_from": str(init_from) if init_from is not None else None,
                 "final": final,
             },
             output_dir / (STATE_FILE + ".tmp"),
@@ -715,6 +728,36 @@ def train_draft(
         result.eval_after = evaluate(draft, target, eval_examples, options, step_kwargs, pad_id)
     save(final=result.finished)
     return result
+
+
+# What a checkpoint must share with the draft being trained to warm-start it (DraftConfig fields).
+_INIT_FIELDS = ("kind", "num_hidden_layers", "target_layer_ids", "draft_block_size", "markov_rank", "hidden_size",
+                "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "mask_token_id",
+                "vocab_size")
+
+
+def init_weights(path: str | Path, config) -> dict[str, torch.Tensor]:
+    """The weights of the draft checkpoint at `path` as a `TrainableDraft` state dict for a draft of `config`.
+
+    Raises InputError (one line) when the checkpoint is missing or describes another draft.
+    """
+    from dflash.exporters.draft_checkpoint import load_draft_weights
+    from dflash.exporters.draft_config import load_draft_config
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise InputError(f"--init-from {path}: no draft checkpoint there (config.json is missing)",
+                         hint="point --init-from at a folder `dflash train` wrote")
+    source = load_draft_config(path)
+    differ = [name for name in _INIT_FIELDS if getattr(source, name) != getattr(config, name)]
+    if differ:
+        raise InputError(
+            f"--init-from {path} is another draft: "
+            + ", ".join(f"{name} {getattr(source, name)} there, {getattr(config, name)} here" for name in differ),
+            hint="train with the checkpoint's --kind, --num-layers, --target-layer-ids, --block-size and --markov-rank",
+        )
+    weights = load_draft_weights(path, source)
+    return {name if name.startswith("markov_head.") else f"model.{name}": tensor for name, tensor in weights.items()}
 
 
 def _progress(step: int, total_steps: int, trained_s: float, time_limit_s: float | None) -> float:
