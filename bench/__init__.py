@@ -6,3 +6,7 @@ their report, prompt sets and the environment probe; the scripts in benchmarks/ 
     datasets     load_dataset: HumanEval or a prompts file
     environment  versions, CPU model, weight precisions of an IR
 """
+
+from dflash.core.telemetry import openvino_telemetry_off
+
+openvino_telemetry_off()  # before any module of this package imports openvino (core/telemetry.py)

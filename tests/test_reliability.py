@@ -443,3 +443,19 @@ def test_docs_table_matches_the_cases():
             found = shown.find(literal, position)
             assert found >= 0, (key, shown, literal)
             position = found + len(literal)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_openvino_telemetry_is_off_unless_asked_for(keep):
+    """Importing dflash declines OpenVINO's telemetry consent before openvino is imported (its forked
+    sender hung an interrupted export); DFLASH_OPENVINO_TELEMETRY=1 leaves OpenVINO's own choice."""
+    code = ("import dflash.exporters, openvino, openvino_telemetry\n"
+            "from openvino_telemetry.utils.opt_in_checker import OptInChecker\n"
+            "print(OptInChecker.check.__module__ == 'dflash.core.telemetry', openvino_telemetry.Telemetry().consent)")  # fmt: skip
+    env = {**os.environ, "DFLASH_OPENVINO_TELEMETRY": "1" if keep else "0"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    patched, consent = done.stdout.split()
+    assert patched == str(not keep)
+    if not keep:
+        assert consent == "False"

@@ -10,3 +10,7 @@ Modules, in the order a run uses them:
 
 `training/DEVICE.md` and `training/device_run.sh` train the SmolLM2-135M drafts on a GPU machine.
 """
+
+from dflash.core.telemetry import openvino_telemetry_off
+
+openvino_telemetry_off()  # before any module of this package imports openvino (core/telemetry.py)
