@@ -104,6 +104,16 @@ def read_draft_metadata(model, *, require_per_row: bool = True) -> DraftMetadata
     )
 
 
+def draft_vocab_problem(ids, vocab_size: int | None) -> str | None:
+    """What is wrong with a draft vocabulary (rt_info dflash/draft_vocab), None if nothing: it must hold
+    distinct ids of the target's vocabulary (of `vocab_size` tokens, when known)."""
+    if len(ids) == 0 or len(set(ids)) != len(ids):
+        return "the draft vocabulary (rt_info dflash/draft_vocab) is empty or repeats ids"
+    if min(ids) < 0 or (vocab_size is not None and max(ids) >= vocab_size):
+        return f"the draft vocabulary holds ids outside the target's 0..{vocab_size}"
+    return None
+
+
 def _required(value: str | None, key: str) -> str:
     if value is None:
         raise ModelFormatError(

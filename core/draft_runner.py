@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import openvino as ov
 
-from dflash.core.draft_format import read_draft_metadata
+from dflash.core.draft_format import draft_vocab_problem, read_draft_metadata
 
 from .errors import ModelFormatError
 from .graph import graft_embedding, graft_lm_head, insert_logits_gather, logits_output
@@ -98,13 +98,10 @@ def _draft_vocab(ids: tuple[int, ...] | None, vocab_size: int | None) -> np.ndar
     """The draft's vocabulary as an index array, checked against the target's."""
     if ids is None:
         return None
-    vocab = np.asarray(ids, dtype=np.int64)
-    hint = "re-export the draft with `dflash export` (its draft vocabulary must hold distinct ids of the target's)"
-    if vocab.size == 0 or len(np.unique(vocab)) != vocab.size:
-        raise ModelFormatError("the draft's vocabulary (rt_info dflash/draft_vocab) is empty or repeats ids", hint)
-    if vocab.min() < 0 or (vocab_size is not None and vocab.max() >= vocab_size):
-        raise ModelFormatError(f"the draft's vocabulary holds ids outside the target's 0..{vocab_size}", hint)
-    return vocab
+    problem = draft_vocab_problem(ids, vocab_size)
+    if problem is not None:
+        raise ModelFormatError(problem, "re-export the draft with `dflash export` for this target")
+    return np.asarray(ids, dtype=np.int64)
 
 
 def _check_widths(draft: ov.Model, target: ov.Model) -> None:

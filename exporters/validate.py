@@ -32,6 +32,7 @@ from dflash.core.draft_format import (
     SUPPORTED_MARKOV_HEAD_TYPES,
     TOPK_INPUTS,
     TOPK_OUTPUT,
+    draft_vocab_problem,
     read_rt_info,
 )
 from dflash.core.errors import DflashError, InputError
@@ -442,14 +443,9 @@ def check_draft_vocab(draft: _Draft, target: _Target | None) -> CheckResult:
         ids = [int(part) for part in text.split(",")]
     except ValueError:
         return _failed(name, "rt_info dflash/draft_vocab is not comma-separated integers", REEXPORT_DRAFT)
-    if len(set(ids)) != len(ids) or min(ids) < 0:
-        return _failed(name, "rt_info dflash/draft_vocab repeats ids or holds negative ones", REEXPORT_DRAFT)
-    if target is not None and target.vocab_size is not None and max(ids) >= target.vocab_size:
-        return _failed(
-            name,
-            f"draft_vocab holds id {max(ids)}, outside the target vocabulary ({target.vocab_size} from {target.vocab_source})",
-            f"validate against the target the draft was trained for, or {REEXPORT_DRAFT} with its own draft_vocab.json",
-        )
+    problem = draft_vocab_problem(ids, target.vocab_size if target is not None else None)
+    if problem is not None:
+        return _failed(name, problem, f"validate against the target the draft was trained for, or {REEXPORT_DRAFT}")
     return _passed(name, f"draft vocabulary of {len(ids)} tokens (its lm_head covers only these)")
 
 

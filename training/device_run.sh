@@ -261,6 +261,15 @@ pack() {  # the fp16 checkpoints (not the resumable state: it stays on the machi
   done
 }
 
+prepare_data() {  # the GGUF joined, Python ready, SmolLM2 materialized, the data made (modes `data` and `run`)
+  join_gguf
+  setup_python
+  log "materializing SmolLM2"
+  "$PY" -c "from dflash.exporters.smollm2 import materialize_smollm2; print(materialize_smollm2('$DEV/smollm2-hf'))"
+  log "making data"
+  make_data
+}
+
 trap pack_logs EXIT
 case "$MODE" in
   stash)
@@ -269,12 +278,7 @@ case "$MODE" in
     if [ "${SMOKE:-1}" = 1 ]; then smoke; fi
     ;;
   data)
-    join_gguf
-    setup_python
-    log "materializing SmolLM2"
-    "$PY" -c "from dflash.exporters.smollm2 import materialize_smollm2; print(materialize_smollm2('$DEV/smollm2-hf'))"
-    log "making data"
-    make_data
+    prepare_data
     log "data done"
     ;;
   run)
@@ -283,12 +287,7 @@ case "$MODE" in
       setup_python
       log "training on the data of the \`data\` call: $(ls "$DEV"/data*.jsonl "$DEV"/text.jsonl | wc -l) files"
     else
-      join_gguf
-      setup_python
-      log "materializing SmolLM2"
-      "$PY" -c "from dflash.exporters.smollm2 import materialize_smollm2; print(materialize_smollm2('$DEV/smollm2-hf'))"
-      log "making data"
-      make_data
+      prepare_data
     fi
     log "training"
     train_all

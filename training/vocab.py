@@ -81,12 +81,6 @@ def build(target_dir: str | Path, *, num_prompts: int, max_new_tokens: int, conc
     }  # fmt: skip
 
 
-def read_ranking(path: str | Path) -> list[int]:
-    """The ranked token ids of a file written by `build` (or a plain JSON list of ids)."""
-    data = json.loads(Path(path).read_text())
-    return list(data["ranking"] if isinstance(data, dict) else data)
-
-
 def _vocab_size(target_dir: str | Path) -> int:
     return int(json.loads((Path(target_dir) / "config.json").read_text())["vocab_size"])
 
