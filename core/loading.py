@@ -4,6 +4,7 @@ as the second pipeline, each with a KV block pool sized as the engine's config s
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,16 +37,22 @@ def load_pipelines(model_dir: Path, draft_dir: str | Path | None, config: Engine
     if draft_model is not None and config.use_markov_head:
         markov = load_markov_head(draft_dir, draft_model, device=config.device, ov_config=config.ov_config,
                                   vocab_size=model_config.get("vocab_size"))  # fmt: skip
-    runner = TargetRunner(
-        model_dir,
-        device=config.device,
-        ov_config=config.ov_config,
-        hidden_layer_ids=read_draft_metadata(draft_model).target_layer_ids if draft_model is not None else (),
-    )
-    kv_cache_manager = _make_kv_cache(runner, config, draft=False)
+    # The draft is prepared and compiled on a second thread while the target is (OpenVINO releases the
+    # GIL while it transforms and compiles): a later run's start is mostly these two compilations.
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        draft_runner = None if draft_model is None else pool.submit(
+            DraftRunner, draft_model, model_dir, device=config.device, ov_config=config.ov_config
+        )  # fmt: skip
+        runner = TargetRunner(
+            model_dir,
+            device=config.device,
+            ov_config=config.ov_config,
+            hidden_layer_ids=read_draft_metadata(draft_model).target_layer_ids if draft_model is not None else (),
+        )
+        kv_cache_manager = _make_kv_cache(runner, config, draft=False)
+        draft_runner = None if draft_runner is None else draft_runner.result()
     drafter: DFlashDrafter | NoDrafter = NoDrafter()
-    if draft_model is not None:
-        draft_runner = DraftRunner(draft_model, model_dir, device=config.device, ov_config=config.ov_config)
+    if draft_runner is not None:
         drafter = DFlashDrafter(draft_runner, _make_kv_cache(draft_runner, config, draft=True),
                                 markov=markov, markov_top_k=config.markov_head_top_k,
                                 proposals=config.draft_proposals)  # fmt: skip
