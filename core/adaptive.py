@@ -333,10 +333,6 @@ class AdaptiveSchedule:
 
     def _best(self, candidates: Sequence[Candidate], num_generating: int, offset: int,
               other_draft_rows: tuple[int, int, int]) -> dict[str, int]:  # fmt: skip
-        slots = sorted(
-            ((q, c) for c in candidates for q in self.estimate(c.req_id, c.cap)),
-            key=lambda slot: -slot[0],
-        )  # each request's q is non-increasing, so a prefix of slots is a prefix of each block
         t_fixed, t_row = self.target_cost.fit()
         d_fixed, d_context, d_block, d_candidate = self.draft_cost.fit()
         # A slot costs at least this much; once q / cheapest falls to the best rate, no later slot
@@ -351,6 +347,13 @@ class AdaptiveSchedule:
         # Drafting must promise `min_gain` more tokens per second than not drafting: the fits and the
         # estimates are noisy, and a wrong "draft" costs more than a wrong "wait" (probes correct that).
         best_rate = num_generating / (t_fixed + t_row * num_generating + runs_anyway) * (1 + self.min_gain)
+        ks = {c.req_id: 0 for c in candidates}
+        estimates = [(self.estimate(c.req_id, c.cap), c) for c in candidates]
+        top = max(q[0] if q else 0.0 for q, _ in estimates)
+        if top <= 0 or (cheapest > 0 and top / cheapest <= best_rate):
+            return ks  # not even the likeliest candidate pays (most steps of a paused batch): no sort
+        slots = sorted(((q, c) for qs, c in estimates for q in qs), key=lambda slot: -slot[0])
+        # each request's q is non-increasing, so a prefix of slots is a prefix of each block
         best_len, tokens, rows, drafting = 0, float(num_generating), num_generating, set()
         for length, (q, c) in enumerate(slots, start=1):
             if q <= 0 or (cheapest > 0 and q / cheapest <= best_rate):
@@ -366,7 +369,6 @@ class AdaptiveSchedule:
             seconds = t_fixed + t_row * rows + draft_seconds()
             if tokens / seconds > best_rate:
                 best_rate, best_len = tokens / seconds, length
-        ks = {c.req_id: 0 for c in candidates}
         for _, c in slots[:best_len]:
             ks[c.req_id] += 1
         return ks
