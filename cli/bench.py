@@ -76,7 +76,7 @@ def bench(
         str, typer.Option("--num-assistant-tokens-schedule", help="Comma-separated. " + SCHEDULE_HELP)
     ] = "adaptive",
     markov_top_k: Annotated[str, typer.Option("--markov-top-k", help=MarkovTopKHelp[:-1] + "; comma-separated, auto: the export's K.")] = "auto",
-    rounds: Annotated[int, typer.Option("--rounds", min=1, help="Runs of every setting, each right after its baseline; the speedup is the median of the per-round ratios, with their range.")] = 1,
+    rounds: Annotated[int, typer.Option("--rounds", min=1, help="Runs of every setting, wave by wave in turn with its baseline; the speedup is the median of the per-round ratios, with their range.")] = 1,
     warmup: Annotated[int, typer.Option("--warmup", min=0, help="Warm-up requests per engine, excluded from the figures.")] = 2,
     no_baseline: Annotated[bool, typer.Option("--no-baseline", help="Skip the target-alone runs (no speedup, no lossless check).")] = False,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="Tokens each request generates (EOS ignored).")] = 128,
@@ -112,7 +112,7 @@ def bench(
 ) -> None:
     """Benchmark speculative decoding against the target alone: throughput, latency, acceptance.
 
-    Runs the autoregressive baseline and every setting of the sweep (concurrency x num-assistant-tokens x schedule x markov-top-k) on the same prompts, each setting right after its baseline (--rounds N repeats that and takes the median ratio), EOS ignored, and, when greedy, compares every speculative output token for token with the baseline's. Exit codes: 0 ok; 1 an output differs with f32 inference (or with --strict), a request failed, or the mean accepted length is below --min-accepted-length; 2 usage; 130 interrupted (SIGINT), 143 terminated (SIGTERM): the finished settings are still written to --json-file, with status "interrupted".
+    Runs the autoregressive baseline and every setting of the sweep (concurrency x num-assistant-tokens x schedule x markov-top-k) on the same prompts, the baseline and every setting taking turns wave by wave (waves of --concurrency prompts; --rounds N repeats that and takes the median ratio), EOS ignored, and, when greedy, compares every speculative output token for token with the baseline's. Exit codes: 0 ok; 1 an output differs with f32 inference (or with --strict), a request failed, or the mean accepted length is below --min-accepted-length; 2 usage; 130 interrupted (SIGINT), 143 terminated (SIGTERM): the settings of every finished concurrency (and round) are still written to --json-file, with status "interrupted".
     """
     options = SimpleNamespace(**locals())  # the parsed options, as one value for the helpers below
     output = Output(json_mode=json_output, quiet=quiet)
