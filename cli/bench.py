@@ -390,7 +390,7 @@ def _print_tables(report, output: Output) -> None:
     rounds = f"median and range over {report.settings[0].rounds} rounds" if report.settings[0].rounds > 1 else "one round"
     output.data(speed)
     output.data(f"[dim]tok/s: generated tokens per second over all requests; speedup: over the baseline at the same "
-                f"concurrency, run right before it ({rounds})[/dim]\n")  # fmt: skip
+                f"concurrency, the two taking turns wave by wave ({rounds})[/dim]\n")  # fmt: skip
     output.data(latency)
     output.data("[dim]TTFT: time to the first token; TPOT: time per output token after it; p50/p90: median and "
                 "90th percentile over the requests[/dim]\n")  # fmt: skip
