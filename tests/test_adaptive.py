@@ -147,7 +147,8 @@ def test_a_request_estimate_overrides_the_engine_wide_one():
 
 
 def test_a_paused_request_is_probed_with_waits_that_double():
-    schedule = fitted(target=(0.010, 0.0001), draft=(0.008, 0.0001), probe_after=4, max_probe_after=16)
+    # A budget that any probe fits in: the doubling alone sets the waits (the budget: the next test).
+    schedule = fitted(target=(0.010, 0.0001), draft=(0.008, 0.0001), probe_after=4, max_probe_after=16, probe_budget=1.0)
     accept(schedule, "a", [0.0, 0.0])
     probes = []
     for step in range(100):
@@ -159,6 +160,27 @@ def test_a_paused_request_is_probed_with_waits_that_double():
     gaps = [b - a for a, b in itertools.pairwise(probes)]
     assert probes[0] < 4  # the first probe within probe_after steps
     assert gaps == sorted(gaps) and gaps[0] >= 8 and gaps[-3:] == [16, 16, 16]  # waits double, up to the cap
+
+
+def test_probes_wait_as_long_as_their_expected_loss_needs():
+    """A probe's loss (its rows and draft step, less the tokens it is expected to bring) stays within
+    probe_budget of the request's time: cheap probes keep probe_after, costly ones wait longer."""
+
+    def first_probe(target, draft, acceptance) -> int:
+        schedule = fitted(target=target, draft=draft, probe_after=4, max_probe_after=16, prior_weight=0.0)
+        accept(schedule, "a", acceptance)
+        for step in range(1, 400):
+            if schedule.plan([Candidate("a", 6)], num_generating=1)["a"]:
+                return step
+        return 400
+
+    # Rows and the draft cost almost nothing against a 10 ms step: probe after probe_after steps.
+    assert first_probe((0.010, 0.00001), (0.00002, 0.00001), [0.0, 0.0]) <= 4
+    # An 8 ms draft step against a 10 ms target step, nothing accepted: 0.8 of a step lost per probe;
+    # within 2% of the request's time that is one probe every 64 steps (a power of two above 40).
+    assert first_probe((0.010, 0.0001), (0.008, 0.0001), [0.0, 0.0]) == 64
+    # The same costs with a draft that half pays for itself: a shorter wait.
+    assert 4 < first_probe((0.010, 0.0001), (0.008, 0.0001), [0.3, 0.1]) < 64
 
 
 def test_positions_a_request_never_drafted_follow_the_prior_ratio():
