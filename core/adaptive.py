@@ -11,11 +11,10 @@ T and D are fitted on this engine's own measured steps (host work included): T =
 over generation steps of the target; D = fixed + per context row + per block row + per candidate
 row, over the draft's steps (a context row only writes the draft's keys and values, a block row
 runs every layer, and a candidate row also runs the vocabulary-wide lm_head, most of a small
-draft's cost). The
-draft's fixed cost (one more inference per step) is paid once, by the whole step, as soon as one
-request drafts, so the choice is made jointly: every (request, position) slot is sorted by q, and the
-prefix of slots with the highest tokens / seconds is drafted if it beats not drafting by `min_gain`
-(5%: the fits and estimates are noisy), which may be none (zero candidates:
+draft's cost). The draft's fixed cost (one more inference per step) is paid once, by the whole step,
+as soon as one request drafts, so the choice is made jointly: every (request, position) slot is
+sorted by q, and the prefix of slots with the highest tokens / seconds is drafted if it beats not
+drafting by `min_gain` (5%: the fits and estimates are noisy), which may be none (zero candidates:
 the draft does not run this step at all; committed rows wait in the request's ledger and are caught
 up in one packed pass when it drafts again, a cost charged to its first candidate).
 
@@ -30,8 +29,10 @@ engine-wide ratio q(i) / q(i - 1).
 
 A request that stopped drafting is probed again: after `probe_after` steps without candidates it
 drafts `probe_candidates` candidates once, and each probe that does not bring drafting back doubles
-the wait (up to `max_probe_after`). Waits are powers of two counted in engine steps, so the probes
-of several requests fall on the same steps and share one draft inference.
+the wait (up to `max_probe_after`); a probe whose expected loss (its rows and draft step, less the
+tokens it is expected to find) exceeds `probe_budget` of the request's time waits longer. Waits are
+powers of two counted in engine steps, so the probes of several requests fall on the same steps and
+share one draft inference.
 
 Until both lines are fitted (`min_steps` varied steps each) the schedule explores: the whole block,
 half of it, one candidate and none, step by step.
