@@ -112,7 +112,14 @@ DraftKvCacheSizeOpt = Annotated[
     typer.Option("--draft-kv-cache-size", min=0.001, help="The draft's KV cache in GiB.", show_default="as --kv-cache-size"),
 ]
 MaxNumBatchedTokensOpt = Annotated[int, typer.Option("--max-num-batched-tokens", min=1, help="Token budget of one engine step.")]
-PrefixCachingOpt = Annotated[bool, typer.Option("--prefix-caching/--no-prefix-caching", help="Reuse the KV of shared prompt prefixes.")]
+PrefixCachingOpt = Annotated[
+    Optional[bool],
+    typer.Option(
+        "--prefix-caching/--no-prefix-caching",
+        help="Reuse the KV of shared prompt prefixes (not supported for hybrid linear-attention targets yet).",
+        show_default="on; off for hybrid targets",
+    ),
+]
 DynamicSplitFuseOpt = Annotated[
     bool, typer.Option("--dynamic-split-fuse/--no-dynamic-split-fuse", help="Mix prompt chunks and generation rows in one step.")
 ]
@@ -136,7 +143,7 @@ OvConfigOpt = Annotated[
 
 def engine_config(*, device: str, ov_config: list[str] | None, kv_cache_size: float,
                   draft_kv_cache_size: float | None, max_num_batched_tokens: int, max_num_seqs: int,
-                  prefix_caching: bool = True, dynamic_split_fuse: bool = True, markov_top_k: int | None = None,
+                  prefix_caching: bool | None = None, dynamic_split_fuse: bool = True, markov_top_k: int | None = None,
                   draft_proposals: str = "argmax"):  # fmt: skip
     """The EngineConfig of the engine options (a malformed --ov-config is a usage error, exit 2)."""
     from dflash.core.config import EngineConfig

@@ -95,7 +95,7 @@ def bench(
     kv_cache_size: KvCacheSizeOpt = DEFAULT_KV_CACHE_GIB,
     draft_kv_cache_size: DraftKvCacheSizeOpt = None,
     max_num_batched_tokens: MaxNumBatchedTokensOpt = 256,
-    prefix_caching: PrefixCachingOpt = True,
+    prefix_caching: PrefixCachingOpt = None,
     dynamic_split_fuse: DynamicSplitFuseOpt = True,
     strict: Annotated[bool, typer.Option("--strict", help="Exit 1 on any output that differs from the baseline, even with bf16 inference.")] = False,
     min_accepted_length: Annotated[

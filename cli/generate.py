@@ -93,7 +93,7 @@ def generate(
     draft_kv_cache_size: DraftKvCacheSizeOpt = None,
     max_num_batched_tokens: MaxNumBatchedTokensOpt = 256,
     max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", min=1, help="Requests running at once at most.")] = 64,
-    prefix_caching: PrefixCachingOpt = True,
+    prefix_caching: PrefixCachingOpt = None,
     dynamic_split_fuse: DynamicSplitFuseOpt = True,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
