@@ -47,6 +47,8 @@ class HybridCacheManager(KVCacheManager):
 
     def limit_spec_tokens(self, request: Request, num_spec: int) -> int:
         """As many of `num_spec` candidates as free state blocks give checkpoints for (every row needs one)."""
+        if not num_spec:
+            return 0
         rows_before = request.num_tokens - request.num_computed_tokens  # the seed (and any prompt rows)
         free = self.state_pool.num_free
         return num_spec if rows_before + num_spec <= free else max(0, free - rows_before)
@@ -60,35 +62,31 @@ class HybridCacheManager(KVCacheManager):
     ) -> bool:
         """KV slots as the plain manager gives them, plus the state blocks the rows need; False (and no
         change) when either pool is short."""
-        req_id = request.req_id
-        self.state_pool.release_checkpoints(req_id)  # left by a step that was never booked (a failed inference)
+        req_id, pool = request.req_id, self.state_pool
         computed = request.num_computed_tokens if num_computed_tokens is None else num_computed_tokens
         num_checkpoints = num_new_tokens if computed + num_new_tokens > request.num_tokens else 0
-        needs_committed = not self.state_pool.owns(req_id)
-        if not self.state_pool.can_allocate(needs_committed + num_checkpoints):
+        needs_committed = not pool.owns(req_id)
+        if not (needs_committed or num_checkpoints):  # a prompt chunk or a plain decode step: KV only
+            return super().allocate_slots(request, num_new_tokens, new_computed_blocks, num_computed_tokens)
+        pool.release_checkpoints(req_id)  # any left by a step that was never booked (a failed inference)
+        if not pool.can_allocate(needs_committed + num_checkpoints):
             return False
         if not super().allocate_slots(request, num_new_tokens, new_computed_blocks, num_computed_tokens):
             return False
         if needs_committed:
-            self.state_pool.allocate(req_id)  # zeroed: la.past_lens 0 does not reset a state
+            pool.allocate(req_id)  # zeroed: la.past_lens 0 does not reset a state
         if num_checkpoints:
-            self.state_pool.reserve_checkpoints(req_id, num_checkpoints)
+            pool.reserve_checkpoints(req_id, num_checkpoints)
         return True
 
     def state_inputs(self, scheduled: Sequence) -> dict[str, np.ndarray]:
         """The `la.*` inputs of one call, for the ScheduledRequests in packing order."""
-        blocks, begins, past_lens, intervals = [], [0], [], []
-        for s in scheduled:
-            indices, interval = self.state_pool.la_block_indices(s.req_id)
-            blocks.extend(indices)
-            begins.append(len(blocks))
-            past_lens.append(s.num_computed_tokens_before)
-            intervals.append(interval)
+        blocks, begins, intervals = self.state_pool.pack([s.req_id for s in scheduled])
         return {
-            "la.block_indices": np.array(blocks, dtype=np.int32),  # [sum of (1 + written blocks)]
-            "la.block_indices_begins": np.array(begins, dtype=np.int32),  # [num_seqs + 1]
-            "la.past_lens": np.array(past_lens, dtype=np.int32),  # [num_seqs]
-            "la.cache_interval": np.array(intervals, dtype=np.int32),  # [num_seqs]
+            "la.block_indices": blocks,  # [sum of (1 + blocks written)] i32
+            "la.block_indices_begins": begins,  # [num_seqs + 1]
+            "la.past_lens": np.array([s.num_computed_tokens_before for s in scheduled], dtype=np.int32),  # [num_seqs]
+            "la.cache_interval": intervals,  # [num_seqs]
         }
 
     def commit_state(self, request: Request, scheduled) -> None:

@@ -269,7 +269,8 @@ class Scheduler:
         says how many are verified (num_spec_tokens); the request's candidates stay as they are.
         """
         num_spec = min(len(request.spec_token_ids), max(0, request.max_num_tokens - 1 - request.num_tokens))
-        num_spec = self.kv_cache_manager.limit_spec_tokens(request, num_spec)  # a hybrid target's checkpoints
+        if num_spec:
+            num_spec = self.kv_cache_manager.limit_spec_tokens(request, num_spec)  # a hybrid target's checkpoints
         return max(0, min(request.num_tokens + num_spec - request.num_computed_tokens, budget))
 
     def _allocate_or_preempt(self, request: Request, num_new_tokens: int, step: _Step) -> bool:

@@ -94,6 +94,22 @@ class StatePool:
             return [owned.committed, *owned.checkpoints], 1
         return [owned.committed, owned.committed], 0
 
+    def pack(self, req_ids: Sequence[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`la.block_indices`, `la.block_indices_begins` and `la.cache_interval` (i32) of one call
+        over these requests, in order (`la_block_indices` of each, concatenated)."""
+        blocks, begins, intervals = [], [0], []
+        for req_id in req_ids:
+            owned = self._owned[req_id]
+            if owned.checkpoints:
+                blocks.append(owned.committed)
+                blocks.extend(owned.checkpoints)
+                intervals.append(1)
+            else:
+                blocks.extend((owned.committed, owned.committed))
+                intervals.append(0)
+            begins.append(len(blocks))
+        return (np.array(blocks, dtype=np.int32), np.array(begins, dtype=np.int32), np.array(intervals, dtype=np.int32))
+
     def promote(self, req_id: str, rows_kept: int) -> int:
         """Keep the state after `rows_kept` verified rows (1-based checkpoint); free the rest."""
         owned = self._owned[req_id]
