@@ -78,7 +78,9 @@ class Ours:
         return self.engine.runner.num_blocks
 
     def run(self, prompt: list[int], max_new_tokens: int, num_assistant_tokens: int) -> RequestRun:
-        params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True, num_assistant_tokens=num_assistant_tokens)
+        # K candidates every step, as the peer drafts (not the adaptive default, which may draft fewer or none)
+        params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True, num_assistant_tokens=num_assistant_tokens,
+                                num_assistant_tokens_schedule="constant")  # fmt: skip
         times_before = copy.copy(self.engine.times)
         start, cpu_start = time.perf_counter(), time.process_time()
         (result,) = self.engine.generate([prompt], params)
@@ -185,7 +187,15 @@ def resolve_models(args: argparse.Namespace, log) -> tuple[Path, Path, Path]:
         from dflash.exporters.default_pair import DRAFTS, DRAFTS_DIR, ensure_default_pair
 
         pair = ensure_default_pair("dflash", on_step=log)
-        target, draft, checkpoint = pair.target_dir, pair.draft_dir, DRAFTS_DIR / DRAFTS["dflash"]
+        target, checkpoint = pair.target_dir, DRAFTS_DIR / DRAFTS["dflash"]
+        # The default pair's draft proposes from a draft vocabulary (docs/draft-format.md); the peer's
+        # from the whole vocabulary. Like for like: our export of the same checkpoint without the cut.
+        draft = args.cache_dir / "dflash-draft" / f"{checkpoint.name}-whole-vocab-fp16"
+        if not (draft / "openvino_model.xml").is_file():
+            from dflash.exporters.draft import export_draft
+
+            log(f"exporting {checkpoint} with its whole vocabulary into {draft}")
+            export_draft(checkpoint, draft, draft_vocab_size=0, overwrite=True)
     stateful = args.cache_dir / "genai-dflash" / f"{checkpoint.name}-stateful-fp16"
     if not (stateful / "openvino_model.xml").is_file():
         log(f"exporting {checkpoint} with optimum-intel's stateful DFlash exporter into {stateful}")

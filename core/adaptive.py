@@ -8,8 +8,10 @@ one too):
     seconds = T(n + sum_r k_r) + [any k_r > 0] * D(draft rows)
 
 T and D are fitted on this engine's own measured steps (host work included): T = fixed + per row,
-over generation steps of the target; D = fixed + per row + per candidate row, over the draft's
-steps (a candidate row also runs the vocabulary-wide lm_head, most of a small draft's cost). The
+over generation steps of the target; D = fixed + per context row + per block row + per candidate
+row, over the draft's steps (a context row only writes the draft's keys and values, a block row
+runs every layer, and a candidate row also runs the vocabulary-wide lm_head, most of a small
+draft's cost). The
 draft's fixed cost (one more inference per step) is paid once, by the whole step, as soon as one
 request drafts, so the choice is made jointly: every (request, position) slot is sorted by q, and the
 prefix of slots with the highest tokens / seconds is drafted if it beats not drafting by `min_gain`
@@ -49,9 +51,11 @@ class LinearCost:
     observations, coefficients kept non-negative.
 
     The target's step has one count (rows: seeds and candidates all need logits, so they cost alike).
-    The draft's has two: its rows, and its candidate rows, which alone run the vocabulary-wide lm_head
-    (on a small draft, most of a candidate row's cost). An earlier fit is kept while new observations
-    cannot be fitted (counts that barely vary)."""
+    The draft's has three: context rows (committed tokens: keys and values only), block rows (every
+    layer) and candidate rows (the vocabulary-wide lm_head too: on a small draft, most of a candidate
+    row's cost). Counted as one, a catch-up step's many cheap context rows pulled the per-row slope
+    below zero and the fit blamed the whole draft step on its fixed cost. An earlier fit is kept while
+    new observations cannot be fitted (counts that barely vary)."""
 
     def __init__(self, num_counts: int = 1, window: int = 128, min_samples: int = 8, min_spread: float = 0.5,
                  refit_every: int = 8):  # fmt: skip
@@ -76,7 +80,7 @@ class LinearCost:
             counts = np.array([c for c, _ in self._samples], dtype=np.float64)  # [n, num_counts]
             seconds = np.array([s for _, s in self._samples], dtype=np.float64)
             if np.all(counts.std(axis=0) >= self.min_spread):
-                self._fit = _non_negative_least_squares(counts, seconds)
+                self._fit = _robust_fit(counts, seconds)
                 self._fit_tuple = tuple(float(c) for c in self._fit)
         return self._fit_tuple
 
@@ -85,6 +89,24 @@ class LinearCost:
         if self._fit is None:
             return 0.0
         return float(self._fit[0] + self._fit[1:] @ np.asarray(counts, dtype=np.float64))
+
+
+def _robust_fit(counts: np.ndarray, seconds: np.ndarray) -> np.ndarray:
+    """Non-negative least squares, then again without the steps that took far longer than it predicts.
+
+    OpenVINO's first inference of a new input shape is slow (its shape-specific preparation), and a
+    rare kind of step (a draft that runs only for probes and catch-ups of many different lengths)
+    is mostly first-of-its-shape: fitted as they come, those steps turned the draft's cost into a
+    fixed cost several times the target's step. Slower than the fit by more than 3 robust standard
+    deviations (and 10%) counts as such a step."""
+    fit = _non_negative_least_squares(counts, seconds)
+    predicted = fit[0] + counts @ fit[1:]
+    excess = seconds - predicted
+    spread = 1.4826 * np.median(np.abs(excess - np.median(excess)))
+    typical = (excess <= 3 * spread) | (excess <= 0.1 * predicted)
+    if typical.all() or typical.sum() < max(len(seconds) // 2, 2):
+        return fit
+    return _non_negative_least_squares(counts[typical], seconds[typical])
 
 
 def _non_negative_least_squares(counts: np.ndarray, seconds: np.ndarray) -> np.ndarray:
@@ -213,7 +235,8 @@ class AdaptiveSchedule:
     probe_candidates: int = 2
     min_gain: float = 0.05
     target_cost: LinearCost = field(default_factory=LinearCost)  # seconds over rows
-    draft_cost: LinearCost = field(default_factory=lambda: LinearCost(num_counts=2))  # over (rows, candidate rows)
+    # over (context rows, block rows, candidate rows)
+    draft_cost: LinearCost = field(default_factory=lambda: LinearCost(num_counts=3))
 
     def __post_init__(self) -> None:
         self.target_cost.min_samples = self.draft_cost.min_samples = self.min_steps
@@ -236,9 +259,9 @@ class AdaptiveSchedule:
         """A generation step of the target (no prompt chunk in it): its rows and seconds."""
         self.target_cost.observe(rows, seconds)
 
-    def observe_draft(self, rows: int, candidate_rows: int, seconds: float) -> None:
-        """A draft step: its rows (context and block) and candidate rows, and seconds."""
-        self.draft_cost.observe((rows, candidate_rows), seconds)
+    def observe_draft(self, context_rows: int, block_rows: int, candidate_rows: int, seconds: float) -> None:
+        """A draft step: its context rows, block rows and candidate rows (among the block rows), and seconds."""
+        self.draft_cost.observe((context_rows, block_rows, candidate_rows), seconds)
 
     def forget(self, req_id: str) -> None:
         self._requests.pop(req_id, None)
@@ -246,13 +269,13 @@ class AdaptiveSchedule:
     # ---- the decision ----------------------------------------------------------------------------
 
     def plan(self, candidates: Sequence[Candidate], *, num_generating: int, candidate_offset: int = 0,
-             other_draft_rows: tuple[int, int] = (0, 0)) -> dict[str, int]:  # fmt: skip
+             other_draft_rows: tuple[int, int, int] = (0, 0, 0)) -> dict[str, int]:  # fmt: skip
         """Candidates per request for the next step.
 
         num_generating: requests whose seed rows the target verifies next step (drafting or not).
         candidate_offset: block rows before the first candidate row (1 for z-lab DFlash).
-        other_draft_rows: (rows, candidate rows) of the draft that run anyway (other schedules'
-            windows); (0, 0): the draft runs only if this schedule drafts.
+        other_draft_rows: (context rows, block rows, candidate rows) of the draft that run anyway
+            (other schedules' windows); all 0: the draft runs only if this schedule drafts.
         """
         self._num_steps += 1
         if not candidates:
@@ -309,36 +332,43 @@ class AdaptiveSchedule:
         return min(max(mean * (1 - mean) / spread - 1, 1.0), 4 * self.prior_weight)
 
     def _best(self, candidates: Sequence[Candidate], num_generating: int, offset: int,
-              other_draft_rows: tuple[int, int]) -> dict[str, int]:  # fmt: skip
-        slots = sorted(
-            ((q, c) for c in candidates for q in self.estimate(c.req_id, c.cap)),
-            key=lambda slot: -slot[0],
-        )  # each request's q is non-increasing, so a prefix of slots is a prefix of each block
+              other_draft_rows: tuple[int, int, int]) -> dict[str, int]:  # fmt: skip
         t_fixed, t_row = self.target_cost.fit()
-        d_fixed, d_row, d_candidate = self.draft_cost.fit()
+        d_fixed, d_context, d_block, d_candidate = self.draft_cost.fit()
         # A slot costs at least this much; once q / cheapest falls to the best rate, no later slot
         # (q only falls) can raise the rate again, so the scan stops.
-        cheapest = t_row + d_row + d_candidate
-        draft_rows, draft_candidates = other_draft_rows
-        draft_seconds = d_fixed + d_row * draft_rows + d_candidate * draft_candidates if draft_rows else 0.0
+        cheapest = t_row + d_block + d_candidate
+        context_rows, block_rows, draft_candidates = other_draft_rows
+
+        def draft_seconds() -> float:
+            return d_fixed + d_context * context_rows + d_block * block_rows + d_candidate * draft_candidates
+
+        runs_anyway = draft_seconds() if context_rows or block_rows else 0.0
         # Drafting must promise `min_gain` more tokens per second than not drafting: the fits and the
         # estimates are noisy, and a wrong "draft" costs more than a wrong "wait" (probes correct that).
-        best_rate = num_generating / (t_fixed + t_row * num_generating + draft_seconds) * (1 + self.min_gain)
+        best_rate = num_generating / (t_fixed + t_row * num_generating + runs_anyway) * (1 + self.min_gain)
+        ks = {c.req_id: 0 for c in candidates}
+        estimates = [(self.estimate(c.req_id, c.cap), c) for c in candidates]
+        top = max(q[0] if q else 0.0 for q, _ in estimates)
+        if top <= 0 or (cheapest > 0 and top / cheapest <= best_rate):
+            return ks  # not even the likeliest candidate pays (most steps of a paused batch): no sort
+        slots = sorted(((q, c) for qs, c in estimates for q in qs), key=lambda slot: -slot[0])
+        # each request's q is non-increasing, so a prefix of slots is a prefix of each block
         best_len, tokens, rows, drafting = 0, float(num_generating), num_generating, set()
         for length, (q, c) in enumerate(slots, start=1):
             if q <= 0 or (cheapest > 0 and q / cheapest <= best_rate):
                 break
             tokens += q
             rows += 1
-            draft_rows += 1
+            block_rows += 1
             draft_candidates += 1
             if c.req_id not in drafting:  # its first candidate: its block's other rows, and the
                 drafting.add(c.req_id)  # committed rows it has not read yet (caught up now)
-                draft_rows += offset + c.num_pending_rows
-            seconds = t_fixed + t_row * rows + d_fixed + d_row * draft_rows + d_candidate * draft_candidates
+                block_rows += offset
+                context_rows += c.num_pending_rows
+            seconds = t_fixed + t_row * rows + draft_seconds()
             if tokens / seconds > best_rate:
                 best_rate, best_len = tokens / seconds, length
-        ks = {c.req_id: 0 for c in candidates}
         for _, c in slots[:best_len]:
             ks[c.req_id] += 1
         return ks

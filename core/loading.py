@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,20 +43,26 @@ def load_pipelines(model_dir: Path, draft_dir: str | Path | None, config: Engine
         markov = load_markov_head(draft_dir, draft_model, device=config.device, ov_config=config.ov_config,
                                   vocab_size=model_config.get("vocab_size"))  # fmt: skip
     metadata = read_draft_metadata(draft_model) if draft_model is not None else None
-    runner = TargetRunner(
-        model_dir,
-        device=config.device,
-        ov_config=config.ov_config,
-        hidden_layer_ids=metadata.target_layer_ids if metadata is not None else (),
-    )
-    if runner.is_hybrid:
-        config = _without_prefix_caching(config)
-        kv_cache_manager = _make_hybrid_cache(runner, config, max_verify_rows=1 + metadata.max_candidates if metadata else 0)
-    else:
-        kv_cache_manager = _make_kv_cache(runner, config, draft=False)
+    # The draft is prepared and compiled on a second thread while the target is (OpenVINO releases the
+    # GIL while it transforms and compiles): a later run's start is mostly these two compilations.
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        draft_runner = None if draft_model is None else pool.submit(
+            DraftRunner, draft_model, model_dir, device=config.device, ov_config=config.ov_config
+        )  # fmt: skip
+        runner = TargetRunner(
+            model_dir,
+            device=config.device,
+            ov_config=config.ov_config,
+            hidden_layer_ids=metadata.target_layer_ids if metadata is not None else (),
+        )
+        if runner.is_hybrid:  # linear-attention state blocks beside the KV blocks; no prefix caching
+            config = _without_prefix_caching(config)
+            kv_cache_manager = _make_hybrid_cache(runner, config, max_verify_rows=1 + metadata.max_candidates if metadata else 0)
+        else:
+            kv_cache_manager = _make_kv_cache(runner, config, draft=False)
+        draft_runner = None if draft_runner is None else draft_runner.result()
     drafter: DFlashDrafter | NoDrafter = NoDrafter()
-    if draft_model is not None:
-        draft_runner = DraftRunner(draft_model, model_dir, device=config.device, ov_config=config.ov_config)
+    if draft_runner is not None:
         drafter = DFlashDrafter(draft_runner, _make_kv_cache(draft_runner, config, draft=True),
                                 markov=markov, markov_top_k=config.markov_head_top_k,
                                 proposals=config.draft_proposals)  # fmt: skip

@@ -171,8 +171,8 @@ class DFlashDrafter:
             self.adaptive.observe_target(target_step.num_rows, target_step.seconds)
         if windows:
             self.stats.num_draft_steps += 1
-            rows = sum(w.num_context + w.num_block_rows for w in windows)
-            self.adaptive.observe_draft(rows, sum(w.num_candidates for w in windows), seconds)
+            self.adaptive.observe_draft(sum(w.num_context for w in windows), sum(w.num_block_rows for w in windows),
+                                        sum(w.num_candidates for w in windows), seconds)  # fmt: skip
         return candidates
 
     # ---- the ledger --------------------------------------------------------------------------
@@ -246,9 +246,9 @@ class DFlashDrafter:
         for name in ("constant", "heuristic"):
             blocks.update(self.schedules[name].plan(by_schedule.get(name, ())))
         offset = self.spec.candidate_position_offset
-        others = [(c.num_pending_rows + k + offset, k) for name in ("constant", "heuristic")
+        others = [(c.num_pending_rows, k + offset, k) for name in ("constant", "heuristic")
                   for c in by_schedule.get(name, ()) if (k := blocks[c.req_id])]  # fmt: skip
-        others = (sum(r for r, _ in others), sum(k for _, k in others))
+        others = tuple(sum(counts) for counts in zip(*others)) if others else (0, 0, 0)
         blocks.update(self.adaptive.plan(by_schedule.get("adaptive", ()), num_generating=len(requests),
                                          candidate_offset=offset, other_draft_rows=others))  # fmt: skip
         self.stats.num_decisions += len(blocks)

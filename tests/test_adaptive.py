@@ -9,14 +9,17 @@ import pytest
 from dflash.core.adaptive import AcceptanceCounts, AdaptiveSchedule, Candidate, LinearCost
 
 
-def fitted(target: tuple[float, float], draft: tuple[float, float], *, per_candidate: float = 0.0, min_steps: int = 4,
-           **kwargs) -> AdaptiveSchedule:  # fmt: skip
+def fitted(target: tuple[float, float], draft: tuple[float, float], *, per_candidate: float = 0.0,
+           per_context: float | None = None, min_steps: int = 4, **kwargs) -> AdaptiveSchedule:  # fmt: skip
     """A schedule whose costs are fitted on exact observations: target seconds = fixed + per_row * rows,
-    draft seconds = fixed + per_row * rows + per_candidate * candidate rows."""
+    draft seconds = fixed + per_context * context rows + per_row * block rows + per_candidate * candidate
+    rows (per_context defaults to per_row)."""
     schedule = AdaptiveSchedule(min_steps=min_steps, **kwargs)
-    for rows, candidates in ((1, 0), (4, 3), (9, 2), (16, 8), (25, 4), (36, 15)):
+    per_context = draft[1] if per_context is None else per_context
+    for rows, candidates, context in ((1, 0, 1), (4, 3, 2), (9, 2, 9), (16, 8, 4), (25, 4, 25), (36, 15, 6)):
         schedule.observe_target(rows, target[0] + target[1] * rows)
-        schedule.observe_draft(rows, candidates, draft[0] + draft[1] * rows + per_candidate * candidates)
+        seconds = draft[0] + per_context * context + draft[1] * rows + per_candidate * candidates
+        schedule.observe_draft(context, rows, candidates, seconds)
     return schedule
 
 
@@ -61,6 +64,29 @@ def test_linear_cost_with_two_counts_and_no_negative_coefficient():
         noisy.observe((rows, candidates), 0.002 + 0.0004 * candidates - 0.00001 * rows)  # rows "save" time
     fixed, per_row, per_candidate = noisy.fit()
     assert per_row == 0.0 and per_candidate > 0 and fixed > 0
+
+
+def test_catch_up_steps_do_not_turn_the_draft_into_a_fixed_cost():
+    """Context rows (a paused request's catch-up) are cheap next to block rows; counted as one kind of
+    row, steps with many of them pulled the per-row slope down (below zero on the tiny pair, where the
+    fit then put the whole draft step in its fixed cost). Counted apart, each price is recovered."""
+    truth = (0.001, 0.00002, 0.0002, 0.0005)  # fixed, per context row, per block row, per candidate row
+    steps = [(2, 8, 7), (3, 4, 3), (1, 16, 15), (64, 3, 2), (2, 9, 8), (128, 3, 2), (4, 5, 4), (40, 17, 15)]
+    cost = LinearCost(num_counts=3, min_samples=4)
+    for counts in steps:
+        cost.observe(counts, truth[0] + sum(p * c for p, c in zip(truth[1:], counts)))
+    assert cost.fit() == pytest.approx(truth)
+
+
+def test_catch_up_rows_are_charged_at_the_context_row_price():
+    """A paused request with 64 committed rows to catch up drafts again when context rows are cheap,
+    and waits when they cost as much as block rows."""
+    target, draft = (0.010, 0.0002), (0.001, 0.0003)
+    for per_context, drafts in ((0.00001, True), (0.0003, False)):
+        schedule = fitted(target, draft, per_context=per_context, prior_weight=0.0)
+        accept(schedule, "a", [0.8, 0.6, 0.4, 0.2])
+        ks = schedule.plan([Candidate("a", 4, num_pending_rows=64)], num_generating=1)
+        assert (ks["a"] > 0) == drafts, per_context
 
 
 def test_acceptance_counts_decay_extrapolate_and_never_increase_with_position():

@@ -22,6 +22,7 @@ from dflash.core.config import EXACT_OV_CONFIG, SamplingParams
 from dflash.core.engine import EngineConfig, LLMEngine
 from dflash.core.errors import ExportError, InputError
 from dflash.core.hidden_states import read_hidden_state_locators
+from dflash.core.tokenization import JsonTokenizer, tokenize_prompt
 from dflash.exporters.smollm2 import (
     build_smollm2_tokenizer,
     check_smollm2_tokenizer,
@@ -195,6 +196,20 @@ def test_chat_template_is_chatml(tokenizer):
     default = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)
     assert default.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
     assert default.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_the_engine_reads_the_same_tokenizer_without_transformers(hf_dir, tokenizer):
+    """core/tokenization.JsonTokenizer (tokenizer.json and the template, no transformers import)."""
+    ours = JsonTokenizer.load(hf_dir)
+    assert ours is not None
+    for text in ROUND_TRIP + ["<|im_start|>user\nHi<|im_end|>\n"]:
+        ids = tokenizer(text)["input_ids"]
+        assert ours(text)["input_ids"] == ids
+        assert ours.decode(ids) == tokenizer.decode(ids)
+        assert ours.decode(ids, skip_special_tokens=True) == tokenizer.decode(ids, skip_special_tokens=True)
+    for chat in ([{"role": "user", "content": "Hi"}], [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]):
+        assert tokenize_prompt(ours, chat, chat=True) == tokenize_prompt(tokenizer, chat, chat=True)
+    assert ours.eos_token_id == tokenizer.eos_token_id == 2
 
 
 def test_check_accepts_the_repaired_tokenizer_and_rejects_a_bos_template(tokenizer):

@@ -1,0 +1,62 @@
+"""What the draft's hidden-state outputs cost the target's step.
+
+A target compiled for a draft also outputs the hidden states of the layers the draft reads, on every
+step, drafting or not (a paused request catches up from them later). This times the same decode
+step of the same target compiled with and without those outputs, in turn, so both see the same
+machine: median milliseconds per step and the ratio.
+
+    python benchmarks/bench_hidden_outputs.py                      # the embedded default pair
+    python benchmarks/bench_hidden_outputs.py --target T --draft D --concurrency 1 8 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+from dflash.core.draft_format import read_draft_metadata
+from dflash.core.model_runner import StepInputs, TargetRunner, read_ov_model
+from dflash.core.paged import SequenceSlice
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", type=Path, help="exported target (default: the embedded default pair's)")
+    parser.add_argument("--draft", type=Path, help="exported draft whose target layers are read (default: the default DSpark)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--past", type=int, default=200, help="tokens already in each sequence's cache")
+    parser.add_argument("--steps", type=int, default=60)
+    args = parser.parse_args()
+    if args.target and args.draft:
+        target, draft = args.target, args.draft
+    else:
+        from dflash.exporters.default_pair import ensure_default_pair
+
+        pair = ensure_default_pair("dspark")
+        target, draft = pair.target_dir, pair.draft_dir
+    layers = read_draft_metadata(read_ov_model(draft)).target_layer_ids
+    runners = {"plain": TargetRunner(target), "hidden outputs": TargetRunner(target, hidden_layer_ids=layers)}
+    blocks_per_seq = -(-(args.past + 1) // runners["plain"].kv_block_size)
+    for runner in runners.values():
+        runner.allocate_cache(blocks_per_seq * max(args.concurrency))
+    rng = np.random.default_rng(0)
+    print(f"{'concurrency':>11} {'plain ms':>9} {'hidden ms':>10} {'ratio':>6}")
+    for n in args.concurrency:
+        seqs = [SequenceSlice(args.past, 1, list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))) for i in range(n)]
+        step = StepInputs(seqs, rng.integers(100, 1000, n), np.arange(n))
+        times: dict[str, list[float]] = {name: [] for name in runners}
+        for _ in range(args.steps):
+            for name, runner in runners.items():
+                start = time.perf_counter()
+                runner.run(step)
+                times[name].append(time.perf_counter() - start)
+        plain, hidden = (statistics.median(t[args.steps // 6 :]) * 1e3 for t in times.values())
+        print(f"{n:>11} {plain:>9.2f} {hidden:>10.2f} {hidden / plain:>6.3f}")
+
+
+if __name__ == "__main__":
+    main()
