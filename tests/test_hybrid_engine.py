@@ -290,6 +290,24 @@ def test_abort_and_stops_inside_the_candidates_return_every_state_block(models, 
     assert results[0].token_ids == expected[3][: expected[3].index(expected[3][2]) + 1]
 
 
+def test_speculative_sampling_returns_every_state_block(models):
+    """Sampling at temperature 0.8 on the chain target with the DSpark zero draft: speculative sampling
+    keeps a prefix of the candidates and resamples one token; the kept rows' checkpoint is promoted
+    as under greedy, every block comes back, and the seeded tokens repeat."""
+    cycle, constant = chain_prompts(models.succ)
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.8, seed=5, num_assistant_tokens=4,
+                            num_assistant_tokens_schedule="constant")  # fmt: skip
+    runs = []
+    for _ in range(2):
+        engine = engine_for(models.chain, models.drafts["dspark_zero"])
+        results, _ = run(engine, cycle[:2] + constant[:2], params)
+        stats = engine.spec_stats
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+        assert all(len(r.token_ids) == NEW_TOKENS for r in results)
+        runs.append([r.token_ids for r in results])
+    assert runs[0] == runs[1]
+
+
 # ---- configuration and the command line -----------------------------------------------------------
 
 
