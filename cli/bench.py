@@ -32,6 +32,7 @@ from ._options import (
     PrefixCachingOpt,
     QuietOpt,
     SeedOpt,
+    StateBlocksOpt,
     TemperatureOpt,
     TopKOpt,
     TopPOpt,
@@ -94,6 +95,7 @@ def bench(
     ov_config: OvConfigOpt = None,
     kv_cache_size: KvCacheSizeOpt = DEFAULT_KV_CACHE_GIB,
     draft_kv_cache_size: DraftKvCacheSizeOpt = None,
+    state_blocks: StateBlocksOpt = None,
     max_num_batched_tokens: MaxNumBatchedTokensOpt = 256,
     prefix_caching: PrefixCachingOpt = None,
     dynamic_split_fuse: DynamicSplitFuseOpt = True,
@@ -147,7 +149,7 @@ def _run_sweep(o: SimpleNamespace, sweep: SimpleNamespace, output: Output):
     config = engine_config(
         device=o.device, ov_config=o.ov_config, kv_cache_size=o.kv_cache_size, draft_kv_cache_size=o.draft_kv_cache_size,
         max_num_batched_tokens=o.max_num_batched_tokens, max_num_seqs=max(sweep.concurrencies),
-        prefix_caching=o.prefix_caching, dynamic_split_fuse=o.dynamic_split_fuse,
+        prefix_caching=o.prefix_caching, dynamic_split_fuse=o.dynamic_split_fuse, state_blocks=o.state_blocks,
     )  # fmt: skip
     sampling = sampling_params(temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, seed=o.seed)
     target_dir = o.target_dir

@@ -34,6 +34,7 @@ from ._options import (
     PrefixCachingOpt,
     QuietOpt,
     SeedOpt,
+    StateBlocksOpt,
     TemperatureOpt,
     TopKOpt,
     TopPOpt,
@@ -91,6 +92,7 @@ def generate(
     ov_config: OvConfigOpt = None,
     kv_cache_size: KvCacheSizeOpt = DEFAULT_KV_CACHE_GIB,
     draft_kv_cache_size: DraftKvCacheSizeOpt = None,
+    state_blocks: StateBlocksOpt = None,
     max_num_batched_tokens: MaxNumBatchedTokensOpt = 256,
     max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", min=1, help="Requests running at once at most.")] = 64,
     prefix_caching: PrefixCachingOpt = None,
@@ -129,7 +131,7 @@ def _load(o: SimpleNamespace, output: Output) -> tuple:
     config = engine_config(
         device=o.device, ov_config=o.ov_config, kv_cache_size=o.kv_cache_size, draft_kv_cache_size=o.draft_kv_cache_size,
         max_num_batched_tokens=o.max_num_batched_tokens, max_num_seqs=o.max_num_seqs, prefix_caching=o.prefix_caching,
-        dynamic_split_fuse=o.dynamic_split_fuse, markov_top_k=o.markov_top_k, draft_proposals=o.draft_proposals.value,
+        dynamic_split_fuse=o.dynamic_split_fuse, markov_top_k=o.markov_top_k, draft_proposals=o.draft_proposals.value, state_blocks=o.state_blocks,
     )  # fmt: skip
     params = sampling_params(
         temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, seed=o.seed, max_new_tokens=o.max_new_tokens,

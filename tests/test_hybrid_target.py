@@ -13,6 +13,7 @@ Exact comparisons run with f32 compute and caches.
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -53,7 +54,8 @@ def test_unsupported_hybrid_exports_get_one_line(monkeypatch):
         require_hybrid_export_support({"model_type": "qwen3_next"})
     with pytest.raises(ModelFormatError, match="vision-language"):
         require_hybrid_export_support({"model_type": "qwen3_5"})
-    monkeypatch.setattr(transformers, "__version__", "5.5.4")
+    # The module as imported now: an export earlier in the session can leave another object in sys.modules.
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "5.5.4")
     with pytest.raises(ModelFormatError, match=r"only with transformers 5\.2\.x, this environment has 5\.5\.4") as err:
         require_hybrid_export_support({"model_type": "qwen3_5_text"})
     assert "\n" not in err.value.message
