@@ -66,7 +66,8 @@ class HybridCacheManager(KVCacheManager):
         computed = request.num_computed_tokens if num_computed_tokens is None else num_computed_tokens
         num_checkpoints = num_new_tokens if computed + num_new_tokens > request.num_tokens else 0
         needs_committed = not pool.owns(req_id)
-        if not (needs_committed or num_checkpoints):  # a prompt chunk or a plain decode step: KV only
+        if not (needs_committed or num_checkpoints or pool.has_checkpoints(req_id)):
+            # A prompt chunk or a plain decode step of a request that holds its block: KV only.
             return super().allocate_slots(request, num_new_tokens, new_computed_blocks, num_computed_tokens)
         pool.release_checkpoints(req_id)  # any left by a step that was never booked (a failed inference)
         if not pool.can_allocate(needs_committed + num_checkpoints):

@@ -110,3 +110,22 @@ def test_hybrid_cache_refuses_prefix_caching():
 
     with pytest.raises(ValueError, match="prefix caching"):
         HybridCacheManager(BlockPool(4, 4, enable_prefix_caching=True), StatePool(2))
+
+
+def test_hybrid_cache_recovers_checkpoints_of_a_step_never_booked():
+    """A step whose inference failed is never booked: its checkpoints are given back when the request
+    is scheduled again, verifying or not."""
+    scheduler, manager, _ = _hybrid_scheduler(num_state_blocks=8)
+    a = _request("a", 6)
+    scheduler.add_request(a)
+    scheduler.update_from_output(scheduler.schedule(), {"a": [7]})
+    a.spec_token_ids = (1, 2, 3)
+    scheduler.schedule()  # reserves 4 checkpoints; the inference "fails"
+    assert manager.state_pool.num_free == 3
+    out = scheduler.schedule()  # the verification again (planned while the stale blocks were held): no leak
+    (verify,) = out.scheduled
+    assert manager.state_pool.num_free == 8 - 1 - verify.num_new_tokens and verify.num_spec_tokens >= 1
+    assert manager.state_inputs(out.scheduled)["la.cache_interval"].tolist() == [1]
+    a.spec_token_ids = ()
+    out = scheduler.schedule()  # now a plain decode: the stale checkpoints go back
+    assert manager.state_pool.num_free == 7 and manager.state_inputs(out.scheduled)["la.block_indices"].tolist() == [0, 0]
