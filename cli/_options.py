@@ -118,7 +118,7 @@ StateBlocksOpt = Annotated[
         min=1,
         help="Hybrid (Qwen3.5) targets: linear-attention state blocks, one per running request plus one per "
         "verified row.",
-        show_default="every running request's verification, within --kv-cache-size",
+        show_default="room for every running request to verify",
     ),
 ]
 MaxNumBatchedTokensOpt = Annotated[int, typer.Option("--max-num-batched-tokens", min=1, help="Token budget of one engine step.")]
