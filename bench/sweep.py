@@ -6,9 +6,10 @@ One sweep:
 
     engines                      -> the target alone and one draft engine per Markov top-k, loaded at
                                     once and warmed up
-    each round, each concurrency -> every prompt through the baseline, then through every speculative
-                                    setting (num_assistant_tokens x schedule x top-k), in turn, so a
-                                    setting and its baseline see the same machine
+    each round, each concurrency -> the prompts in waves of `concurrency` (one prompt at c=1); each
+                                    wave through the baseline, then through every speculative setting
+                                    (num_assistant_tokens x schedule x top-k), in turn, so a setting
+                                    and its baseline see the same machine to within a wave's time
     after every speculative run  -> its outputs compared token for token with the baseline's at the
                                     same concurrency (losslessness); speedup = the median over rounds
                                     of (baseline wall time / setting wall time) in the same round
@@ -68,7 +69,7 @@ class BenchOptions:
     markov_top_ks: Sequence[int | None] = (None,)
     chat: bool | None = None  # None: when the tokenizer has a chat template
     warmup: int = 2
-    rounds: int = 1  # every setting runs once per round, interleaved with its baseline
+    rounds: int = 1  # every setting runs every prompt once per round, wave by wave in turn with its baseline
     baseline: bool = True
     dataset: str | None = None  # where the prompts came from, for the report
     # temperature, top_p, top_k and seed of every request (the default: greedy); the other fields are the sweep's
@@ -161,10 +162,22 @@ class _SettingRun:
     times: StepTimes  # engine time during the run
     decisions: tuple[int, int]  # (request-step decisions, of them drafting)
 
+    @staticmethod
+    def joined(waves: list[_SettingRun]) -> _SettingRun:
+        """The waves of one round as one run: results in prompt order, times and counts summed."""
+        times = StepTimes()
+        for wave in waves:
+            times = times + wave.times
+        return _SettingRun(
+            [r for wave in waves for r in wave.results], sum(wave.wall_s for wave in waves), times,
+            (sum(wave.decisions[0] for wave in waves), sum(wave.decisions[1] for wave in waves)),
+        )  # fmt: skip
+
 
 def _sweep(options: BenchOptions, config, report: BenchReport, progress: BenchProgress) -> None:
-    """Every setting once per round, the baseline first at each concurrency, so that a setting and its
-    baseline always see the same machine; the speedup is the median of the per-round ratios."""
+    """Every setting once per round, wave by wave in turn with the baseline at each concurrency, so
+    that a setting and its baseline see the same machine (a load that changes during a run changes
+    both); the speedup is the median of the per-round ratios."""
     engines = _load_engines(options, config, progress)
     first = next(iter(engines.values()))
     encoded = [tokenize_prompt(first.tokenizer, p, chat=_use_chat(first, options.chat)) for p in options.prompts]
@@ -184,11 +197,9 @@ def _sweep(options: BenchOptions, config, report: BenchReport, progress: BenchPr
                 for top_k in options.markov_top_ks
                 for k, schedule, how in itertools.product(options.num_assistant_tokens, options.schedules, proposals)
             ]
-            for setting in settings:
-                engine = engines["baseline" if setting.kind == "baseline" else setting.top_k]
-                if setting.kind == "speculative":  # a plain attribute, read at each draft step
-                    engine.drafter.proposals = setting.proposals or engine.config.draft_proposals
-                runs.setdefault(setting, []).append(_run_setting(engine, token_prompts, options, setting, progress))
+            progress.setting_started(_group_name(settings, round_index, options.rounds), len(token_prompts) * len(settings))
+            for setting, run in _run_in_turn(engines, settings, token_prompts, options, progress).items():
+                runs.setdefault(setting, []).append(run)
                 if baseline is not None and setting.kind == "speculative":
                     ratios.setdefault(setting, []).append(runs[baseline][-1].wall_s / runs[setting][-1].wall_s)
                 _publish(report, runs, ratios, setting, baseline, progress, last=round_index == options.rounds - 1,
@@ -196,6 +207,28 @@ def _sweep(options: BenchOptions, config, report: BenchReport, progress: BenchPr
     for engine in engines.values():
         for warning in engine.warnings:
             progress.warning(warning)
+
+
+def _run_in_turn(engines: dict, settings: list[_Setting], token_prompts: list[list[int]], options: BenchOptions,
+                 progress: BenchProgress) -> dict[_Setting, _SettingRun]:  # fmt: skip
+    """One round of `settings` (one concurrency): the prompts in waves of that many, each wave through
+    every setting in turn; each setting's waves joined into one run."""
+    concurrency = settings[0].concurrency
+    waves: dict[_Setting, list[_SettingRun]] = {setting: [] for setting in settings}
+    for start in range(0, len(token_prompts), concurrency):
+        for setting in settings:
+            engine = engines["baseline" if setting.kind == "baseline" else setting.top_k]
+            if setting.kind == "speculative":  # a plain attribute, read at each draft step
+                engine.drafter.proposals = setting.proposals or engine.config.draft_proposals
+            wave = token_prompts[start : start + concurrency]
+            waves[setting].append(_run_setting(engine, wave, options, setting, progress))
+    return {setting: _SettingRun.joined(runs) for setting, runs in waves.items()}
+
+
+def _group_name(settings: list[_Setting], round_index: int, rounds: int) -> str:
+    """What a progress bar runs: the settings that take turns wave by wave, and the round."""
+    name = settings[0].name if len(settings) == 1 else f"{settings[0].name} and {len(settings) - 1} in turn"
+    return name + (f" (round {round_index + 1}/{rounds})" if rounds > 1 else "")
 
 
 def _comparable(setting: _Setting, options: BenchOptions) -> bool:
@@ -258,11 +291,10 @@ def _warm_up(engine, token_prompts: list[list[int]], options: BenchOptions, prog
 
 def _run_setting(engine, token_prompts: list[list[int]], options: BenchOptions, setting: _Setting,
                  progress: BenchProgress) -> _SettingRun:  # fmt: skip
-    """Every prompt through the engine with at most `concurrency` requests in it at once."""
+    """Every prompt (of a wave) through the engine with at most `concurrency` requests in it at once."""
     sampling = options.sampling if setting.sampled else SamplingParams()
     params = replace(sampling, max_new_tokens=options.max_new_tokens, ignore_eos=True,
                      num_assistant_tokens=setting.num_assistant_tokens, num_assistant_tokens_schedule=setting.schedule or "adaptive")
-    progress.setting_started(setting.name, len(token_prompts))
     times_before, stats_before = copy.copy(engine.times), copy.copy(engine.drafter.stats)
     run = run_with_concurrency(engine, token_prompts, params, setting.concurrency, progress.request_finished)
     wall_s = time.perf_counter() - run.started

@@ -77,7 +77,7 @@ def bench(
         str, typer.Option("--num-assistant-tokens-schedule", help="Comma-separated. " + SCHEDULE_HELP)
     ] = "adaptive",
     markov_top_k: Annotated[str, typer.Option("--markov-top-k", help=MarkovTopKHelp[:-1] + "; comma-separated, auto: the export's K.")] = "auto",
-    rounds: Annotated[int, typer.Option("--rounds", min=1, help="Runs of every setting, each right after its baseline; the speedup is the median of the per-round ratios, with their range.")] = 1,
+    rounds: Annotated[int, typer.Option("--rounds", min=1, help="Runs of every setting, wave by wave in turn with its baseline; the speedup is the median of the per-round ratios, with their range.")] = 1,
     warmup: Annotated[int, typer.Option("--warmup", min=0, help="Warm-up requests per engine, excluded from the figures.")] = 2,
     no_baseline: Annotated[bool, typer.Option("--no-baseline", help="Skip the target-alone runs (no speedup, no lossless check).")] = False,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="Tokens each request generates (EOS ignored).")] = 128,
@@ -114,7 +114,7 @@ def bench(
 ) -> None:
     """Benchmark speculative decoding against the target alone: throughput, latency, acceptance.
 
-    Runs the autoregressive baseline and every setting of the sweep (concurrency x num-assistant-tokens x schedule x markov-top-k) on the same prompts, each setting right after its baseline (--rounds N repeats that and takes the median ratio), EOS ignored, and, when greedy, compares every speculative output token for token with the baseline's. Exit codes: 0 ok; 1 an output differs with f32 inference (or with --strict), a request failed, or the mean accepted length is below --min-accepted-length; 2 usage; 130 interrupted (SIGINT), 143 terminated (SIGTERM): the finished settings are still written to --json-file, with status "interrupted".
+    Runs the autoregressive baseline and every setting of the sweep (concurrency x num-assistant-tokens x schedule x markov-top-k) on the same prompts, the baseline and every setting taking turns wave by wave (waves of --concurrency prompts; --rounds N repeats that and takes the median ratio), EOS ignored, and, when greedy, compares every speculative output token for token with the baseline's. Exit codes: 0 ok; 1 an output differs with f32 inference (or with --strict), a request failed, or the mean accepted length is below --min-accepted-length; 2 usage; 130 interrupted (SIGINT), 143 terminated (SIGTERM): the settings of every finished concurrency (and round) are still written to --json-file, with status "interrupted".
     """
     options = SimpleNamespace(**locals())  # the parsed options, as one value for the helpers below
     output = Output(json_mode=json_output, quiet=quiet)
@@ -392,7 +392,7 @@ def _print_tables(report, output: Output) -> None:
     rounds = f"median and range over {report.settings[0].rounds} rounds" if report.settings[0].rounds > 1 else "one round"
     output.data(speed)
     output.data(f"[dim]tok/s: generated tokens per second over all requests; speedup: over the baseline at the same "
-                f"concurrency, run right before it ({rounds})[/dim]\n")  # fmt: skip
+                f"concurrency, the two taking turns wave by wave ({rounds})[/dim]\n")  # fmt: skip
     output.data(latency)
     output.data("[dim]TTFT: time to the first token; TPOT: time per output token after it; p50/p90: median and "
                 "90th percentile over the requests[/dim]\n")  # fmt: skip

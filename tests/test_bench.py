@@ -191,17 +191,18 @@ def test_ctrl_c_writes_the_finished_settings(pair, prompts_file, tmp_path, monke
     calls = []
     run = bench_sweep.run_with_concurrency
 
-    def interrupted_second(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
+    def interrupted_at_concurrency_2(engine, prompts, params, concurrency, on_finished=None):
+        calls.append(concurrency)
+        if concurrency == 2:  # the c=1 settings have run every prompt; the c=2 ones are cut off
             raise KeyboardInterrupt
-        return run(*args, **kwargs)
+        return run(engine, prompts, params, concurrency, on_finished)
 
-    monkeypatch.setattr(bench_sweep, "run_with_concurrency", interrupted_second)
+    monkeypatch.setattr(bench_sweep, "run_with_concurrency", interrupted_at_concurrency_2)
     result, data = run_cli(pair, prompts_file, tmp_path, "--concurrency", "1,2")
     assert result.exit_code == 130, result.output
     assert data["status"] == "interrupted"
-    assert [s["name"] for s in data["settings"]] == ["baseline c=1"]
+    assert [s["name"] for s in data["settings"]] == ["baseline c=1", "spec c=1 k=auto"]
+    assert calls.count(2) == 1
 
 
 def test_min_accepted_length_above_a_random_draft_fails(pair, prompts_file, tmp_path):
@@ -239,6 +240,32 @@ def test_rounds_interleave_each_setting_with_its_baseline(pair, prompts_file, tm
     low, high = spec["speedup_range"]
     assert low <= spec["speedup"] <= high and baseline["speedup_range"] is None
     assert spec["spec"]["num_drafts"] > 0 and spec["agreement"]["identical"] == 3
+
+
+def test_the_baseline_and_each_setting_take_turns_wave_by_wave(pair, monkeypatch):
+    """A load that changes during a run must change a setting's time and its baseline's alike: the
+    prompts run in waves of `concurrency`, each wave through every setting in turn."""
+    target, draft = pair
+    calls = []
+    real = bench_sweep.run_with_concurrency
+
+    def recorded(engine, prompts, params, concurrency, on_finished=None):
+        calls.append(("draft" if engine.has_draft else "target", len(prompts), concurrency))
+        return real(engine, prompts, params, concurrency, on_finished)
+
+    monkeypatch.setattr(bench_sweep, "run_with_concurrency", recorded)
+    prompts = PROMPTS + PROMPTS[:2]  # 5 prompts: waves of 2, 2 and 1 at c=2
+    options = bench_sweep.BenchOptions(target, draft, prompts, engine_config=EngineConfig(ov_config=F32), max_new_tokens=NEW_TOKENS,
+                                       concurrencies=(1, 2), schedules=("constant",), warmup=0)  # fmt: skip
+    report = bench_sweep.run_bench(options)
+    assert calls == [(kind, 1, 1) for _ in prompts for kind in ("target", "draft")] + [
+        (kind, n, 2) for n in (2, 2, 1) for kind in ("target", "draft")
+    ]
+    # Each setting's figures still cover every prompt once, in prompt order.
+    for setting in report.settings:
+        assert setting.num_requests == len(prompts) and len(setting.token_ids) == len(prompts)
+    spec = report.settings[1]
+    assert spec.agreement.identical == len(prompts)
 
 
 def test_bad_schedule_is_a_usage_error(pair, prompts_file):
