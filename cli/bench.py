@@ -61,6 +61,14 @@ Examples:
 """
 
 
+# Declared here to keep bench()'s signature short: --draft-proposals is a sweep in bench (a str), an enum in generate.
+DraftProposalsSweepOpt = Annotated[
+    str,
+    typer.Option("--draft-proposals", help="Under sampling (--temperature > 0), comma-separated: argmax (the draft's "
+                 "deterministic candidates) and/or sampled (drawn from its distributions); both verified by speculative sampling."),
+]
+
+
 def bench(
     target_dir: Annotated[
         Optional[Path], typer.Argument(help="An exported target folder (needs --draft). " + DEFAULT_PAIR_HELP, show_default=False)
@@ -86,11 +94,7 @@ def bench(
     top_p: TopPOpt = 1.0,
     top_k: TopKOpt = 0,
     seed: SeedOpt = None,
-    draft_proposals: Annotated[
-        str,
-        typer.Option("--draft-proposals", help="Under sampling (--temperature > 0), comma-separated: argmax (the draft's "
-                     "deterministic candidates) and/or sampled (drawn from its distributions); both verified by speculative sampling."),
-    ] = "argmax",
+    draft_proposals: DraftProposalsSweepOpt = "argmax",
     device: DeviceOpt = "CPU",
     ov_config: OvConfigOpt = None,
     kv_cache_size: KvCacheSizeOpt = DEFAULT_KV_CACHE_GIB,

@@ -58,6 +58,9 @@ Examples:
 """
 
 
+ScheduleOpt = Annotated[AssistantSchedule, typer.Option("--num-assistant-tokens-schedule", help=SCHEDULE_HELP)]
+
+
 def generate(
     target_dir: Annotated[
         Optional[str],
@@ -75,10 +78,7 @@ def generate(
         typer.Option("--num-assistant-tokens", min=0, help="Candidates per draft step at most (0: the target alone, no draft loaded).",
                      show_default="all the draft's block yields"),
     ] = None,
-    num_assistant_tokens_schedule: Annotated[
-        AssistantSchedule,
-        typer.Option("--num-assistant-tokens-schedule", help=SCHEDULE_HELP),
-    ] = AssistantSchedule.adaptive,
+    num_assistant_tokens_schedule: ScheduleOpt = AssistantSchedule.adaptive,
     markov_top_k: Annotated[Optional[int], typer.Option("--markov-top-k", min=0, help=MarkovTopKHelp, show_default=False)] = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="Tokens to generate per prompt at most.")] = 128,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Do not stop at the end-of-sequence token.")] = False,
