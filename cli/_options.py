@@ -111,8 +111,25 @@ DraftKvCacheSizeOpt = Annotated[
     Optional[float],
     typer.Option("--draft-kv-cache-size", min=0.001, help="The draft's KV cache in GiB.", show_default="as --kv-cache-size"),
 ]
+StateBlocksOpt = Annotated[
+    Optional[int],
+    typer.Option(
+        "--state-blocks",
+        min=1,
+        help="Hybrid (Qwen3.5) targets: linear-attention state blocks, one per running request plus one per "
+        "verified row.",
+        show_default="room for every running request to verify",
+    ),
+]
 MaxNumBatchedTokensOpt = Annotated[int, typer.Option("--max-num-batched-tokens", min=1, help="Token budget of one engine step.")]
-PrefixCachingOpt = Annotated[bool, typer.Option("--prefix-caching/--no-prefix-caching", help="Reuse the KV of shared prompt prefixes.")]
+PrefixCachingOpt = Annotated[
+    Optional[bool],
+    typer.Option(
+        "--prefix-caching/--no-prefix-caching",
+        help="Reuse the KV of shared prompt prefixes (not supported for hybrid linear-attention targets yet).",
+        show_default="on; off for hybrid targets",
+    ),
+]
 DynamicSplitFuseOpt = Annotated[
     bool, typer.Option("--dynamic-split-fuse/--no-dynamic-split-fuse", help="Mix prompt chunks and generation rows in one step.")
 ]
@@ -136,8 +153,8 @@ OvConfigOpt = Annotated[
 
 def engine_config(*, device: str, ov_config: list[str] | None, kv_cache_size: float,
                   draft_kv_cache_size: float | None, max_num_batched_tokens: int, max_num_seqs: int,
-                  prefix_caching: bool = True, dynamic_split_fuse: bool = True, markov_top_k: int | None = None,
-                  draft_proposals: str = "argmax"):  # fmt: skip
+                  prefix_caching: bool | None = None, dynamic_split_fuse: bool = True, markov_top_k: int | None = None,
+                  draft_proposals: str = "argmax", state_blocks: int | None = None):  # fmt: skip
     """The EngineConfig of the engine options (a malformed --ov-config is a usage error, exit 2)."""
     from dflash.core.config import EngineConfig
 
@@ -152,6 +169,7 @@ def engine_config(*, device: str, ov_config: list[str] | None, kv_cache_size: fl
         dynamic_split_fuse=dynamic_split_fuse,
         markov_head_top_k=markov_top_k,
         draft_proposals=draft_proposals,
+        num_state_blocks=state_blocks,
     )
 
 

@@ -32,6 +32,7 @@ from ._options import (
     PrefixCachingOpt,
     QuietOpt,
     SeedOpt,
+    StateBlocksOpt,
     TemperatureOpt,
     TopKOpt,
     TopPOpt,
@@ -60,6 +61,14 @@ Examples:
 """
 
 
+# Declared here to keep bench()'s signature short: --draft-proposals is a sweep in bench (a str), an enum in generate.
+DraftProposalsSweepOpt = Annotated[
+    str,
+    typer.Option("--draft-proposals", help="Under sampling (--temperature > 0), comma-separated: argmax (the draft's "
+                 "deterministic candidates) and/or sampled (drawn from its distributions); both verified by speculative sampling."),
+]
+
+
 def bench(
     target_dir: Annotated[
         Optional[Path], typer.Argument(help="An exported target folder (needs --draft). " + DEFAULT_PAIR_HELP, show_default=False)
@@ -85,17 +94,14 @@ def bench(
     top_p: TopPOpt = 1.0,
     top_k: TopKOpt = 0,
     seed: SeedOpt = None,
-    draft_proposals: Annotated[
-        str,
-        typer.Option("--draft-proposals", help="Under sampling (--temperature > 0), comma-separated: argmax (the draft's "
-                     "deterministic candidates) and/or sampled (drawn from its distributions); both verified by speculative sampling."),
-    ] = "argmax",
+    draft_proposals: DraftProposalsSweepOpt = "argmax",
     device: DeviceOpt = "CPU",
     ov_config: OvConfigOpt = None,
     kv_cache_size: KvCacheSizeOpt = DEFAULT_KV_CACHE_GIB,
     draft_kv_cache_size: DraftKvCacheSizeOpt = None,
+    state_blocks: StateBlocksOpt = None,
     max_num_batched_tokens: MaxNumBatchedTokensOpt = 256,
-    prefix_caching: PrefixCachingOpt = True,
+    prefix_caching: PrefixCachingOpt = None,
     dynamic_split_fuse: DynamicSplitFuseOpt = True,
     strict: Annotated[bool, typer.Option("--strict", help="Exit 1 on any output that differs from the baseline, even with bf16 inference.")] = False,
     min_accepted_length: Annotated[
@@ -147,7 +153,7 @@ def _run_sweep(o: SimpleNamespace, sweep: SimpleNamespace, output: Output):
     config = engine_config(
         device=o.device, ov_config=o.ov_config, kv_cache_size=o.kv_cache_size, draft_kv_cache_size=o.draft_kv_cache_size,
         max_num_batched_tokens=o.max_num_batched_tokens, max_num_seqs=max(sweep.concurrencies),
-        prefix_caching=o.prefix_caching, dynamic_split_fuse=o.dynamic_split_fuse,
+        prefix_caching=o.prefix_caching, dynamic_split_fuse=o.dynamic_split_fuse, state_blocks=o.state_blocks,
     )  # fmt: skip
     sampling = sampling_params(temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, seed=o.seed)
     target_dir = o.target_dir

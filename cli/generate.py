@@ -34,6 +34,7 @@ from ._options import (
     PrefixCachingOpt,
     QuietOpt,
     SeedOpt,
+    StateBlocksOpt,
     TemperatureOpt,
     TopKOpt,
     TopPOpt,
@@ -57,6 +58,9 @@ Examples:
 """
 
 
+ScheduleOpt = Annotated[AssistantSchedule, typer.Option("--num-assistant-tokens-schedule", help=SCHEDULE_HELP)]
+
+
 def generate(
     target_dir: Annotated[
         Optional[str],
@@ -74,10 +78,7 @@ def generate(
         typer.Option("--num-assistant-tokens", min=0, help="Candidates per draft step at most (0: the target alone, no draft loaded).",
                      show_default="all the draft's block yields"),
     ] = None,
-    num_assistant_tokens_schedule: Annotated[
-        AssistantSchedule,
-        typer.Option("--num-assistant-tokens-schedule", help=SCHEDULE_HELP),
-    ] = AssistantSchedule.adaptive,
+    num_assistant_tokens_schedule: ScheduleOpt = AssistantSchedule.adaptive,
     markov_top_k: Annotated[Optional[int], typer.Option("--markov-top-k", min=0, help=MarkovTopKHelp, show_default=False)] = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="Tokens to generate per prompt at most.")] = 128,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Do not stop at the end-of-sequence token.")] = False,
@@ -91,9 +92,10 @@ def generate(
     ov_config: OvConfigOpt = None,
     kv_cache_size: KvCacheSizeOpt = DEFAULT_KV_CACHE_GIB,
     draft_kv_cache_size: DraftKvCacheSizeOpt = None,
+    state_blocks: StateBlocksOpt = None,
     max_num_batched_tokens: MaxNumBatchedTokensOpt = 256,
     max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", min=1, help="Requests running at once at most.")] = 64,
-    prefix_caching: PrefixCachingOpt = True,
+    prefix_caching: PrefixCachingOpt = None,
     dynamic_split_fuse: DynamicSplitFuseOpt = True,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -129,7 +131,7 @@ def _load(o: SimpleNamespace, output: Output) -> tuple:
     config = engine_config(
         device=o.device, ov_config=o.ov_config, kv_cache_size=o.kv_cache_size, draft_kv_cache_size=o.draft_kv_cache_size,
         max_num_batched_tokens=o.max_num_batched_tokens, max_num_seqs=o.max_num_seqs, prefix_caching=o.prefix_caching,
-        dynamic_split_fuse=o.dynamic_split_fuse, markov_top_k=o.markov_top_k, draft_proposals=o.draft_proposals.value,
+        dynamic_split_fuse=o.dynamic_split_fuse, markov_top_k=o.markov_top_k, draft_proposals=o.draft_proposals.value, state_blocks=o.state_blocks,
     )  # fmt: skip
     params = sampling_params(
         temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, seed=o.seed, max_new_tokens=o.max_new_tokens,

@@ -189,6 +189,13 @@ class EngineConfig:
 
     kv_cache_size_gib / num_kv_blocks: the target's KV cache, in GiB or in blocks (not both; default
         0.25 GiB). draft_kv_cache_size_gib / num_draft_kv_blocks: the draft's (default: as the target's).
+    enable_prefix_caching: reuse the KV of shared prompt prefixes; None (the default) = on, except for
+        hybrid linear-attention targets (Qwen3.5), which do not support it yet (True is refused for them).
+    num_state_blocks: a hybrid target's linear-attention state pool, in blocks (one holds a sequence's
+        recurrent and convolution state in every such layer). Each running request holds one, plus
+        one per verified row while its candidates are verified. Default: max_num_seqs x (2 + the
+        draft's candidates per block), or max_num_seqs without a draft, but at most what fits in as
+        much memory as the KV cache (never fewer than one request needs to verify a whole block).
     markov_head_top_k: for DSpark drafts with a Markov head, K of the Top-K candidate scorer (None: the
         export's K; 0: the dense Markov walk). use_markov_head=False runs the draft as plain DFlash.
     draft_proposals: how the draft proposes for sampling requests (temperature > 0): "argmax" its
@@ -202,12 +209,13 @@ class EngineConfig:
     ov_config: dict[str, str] = field(default_factory=dict)
     kv_cache_size_gib: float | None = None
     num_kv_blocks: int | None = None
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool | None = None
     max_num_batched_tokens: int = 256
     max_num_seqs: int = 64
     dynamic_split_fuse: bool = True
     draft_kv_cache_size_gib: float | None = None
     num_draft_kv_blocks: int | None = None
+    num_state_blocks: int | None = None
     markov_head_top_k: int | None = None
     use_markov_head: bool = True
     draft_proposals: str = "argmax"
@@ -217,7 +225,7 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value!r}")
-        for name in ("num_kv_blocks", "num_draft_kv_blocks"):
+        for name in ("num_kv_blocks", "num_draft_kv_blocks", "num_state_blocks"):
             if getattr(self, name) is not None:
                 _require_positive_int(name, getattr(self, name))
         if self.markov_head_top_k is not None:
@@ -242,5 +250,13 @@ class EngineConfig:
             kv_block_size=kv_block_size,
             num_blocks=num_blocks,
             kv_cache_size_gib=None if num_blocks else (size_gib or DEFAULT_KV_CACHE_GIB),
-            enable_prefix_caching=self.enable_prefix_caching,
+            enable_prefix_caching=self.enable_prefix_caching is not False,
         )
+
+    def state_pool_blocks(self, bytes_per_block: int, max_verify_rows: int) -> int:
+        """Blocks of a hybrid target's state pool (`num_state_blocks`, or the default described above)."""
+        if self.num_state_blocks is not None:
+            return self.num_state_blocks
+        per_request = 1 + max_verify_rows  # the committed block, a checkpoint per verified row
+        memory_cap = math.floor((self.kv_cache_size_gib or DEFAULT_KV_CACHE_GIB) * GIB / bytes_per_block)
+        return max(per_request, min(self.max_num_seqs * per_request, memory_cap))

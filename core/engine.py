@@ -158,7 +158,7 @@ class LLMEngine:
     def _run_target(self, sched: SchedulerOutput, step_start: float) -> TargetStep:
         """Pack the scheduled rows, run the target once, verify what reached the end of its tokens."""
         scheduled = [(s, self.scheduler.get_request(s.req_id)) for s in sched.scheduled]
-        inputs = pack_target_rows(scheduled, self.kv_cache_manager.block_table)
+        inputs = pack_target_rows(scheduled, self.kv_cache_manager.block_table, self.kv_cache_manager.state_inputs)
         start = time.perf_counter()
         target_out = self.runner.run(inputs)
         self.times.target_s += time.perf_counter() - start

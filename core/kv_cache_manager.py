@@ -139,6 +139,19 @@ class KVCacheManager:
         self._num_published.pop(request.req_id, None)
         self.pool.free_blocks(reversed(req_blocks))
 
+    # ---- linear-attention state: hooks a hybrid target's manager fills in (core/hybrid_cache.py) --------
+
+    def limit_spec_tokens(self, request: Request, num_spec: int) -> int:
+        """How many of `num_spec` candidates the cache lets the next step verify: all of them here."""
+        return num_spec
+
+    def state_inputs(self, scheduled: Sequence) -> dict:
+        """Extra inputs of the target call for these ScheduledRequests: none here."""
+        return {}
+
+    def commit_state(self, request: Request, scheduled) -> None:
+        """Called once the scheduler booked a step of `request`: nothing to do here."""
+
     def _block_hashes(self, request: Request) -> list[BlockHash]:
         """Hashes of every full committed block, computed once per block and kept on the request."""
         hashes = request.block_hashes.setdefault(self.kv_block_size, [])

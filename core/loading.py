@@ -1,8 +1,10 @@
 """Loading an engine's models: the target on PagedAttention, and the draft (with its Markov head)
-as the second pipeline, each with a KV block pool sized as the engine's config says."""
+as the second pipeline, each with a KV block pool sized as the engine's config says (a hybrid target
+also gets its pool of linear-attention state blocks: core/hybrid_cache.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -13,10 +15,13 @@ from .config import EngineConfig
 from .draft_format import read_draft_metadata
 from .draft_runner import DraftRunner
 from .drafter import NoDrafter
+from .errors import InputError
+from .hybrid_cache import HybridCacheManager
 from .kv_cache_manager import KVCacheManager
 from .markov import load_markov_head
 from .model_runner import TargetRunner, read_ov_model
 from .speculative import DFlashDrafter
+from .state_pool import StatePool
 
 
 @dataclass
@@ -37,6 +42,7 @@ def load_pipelines(model_dir: Path, draft_dir: str | Path | None, config: Engine
     if draft_model is not None and config.use_markov_head:
         markov = load_markov_head(draft_dir, draft_model, device=config.device, ov_config=config.ov_config,
                                   vocab_size=model_config.get("vocab_size"))  # fmt: skip
+    metadata = read_draft_metadata(draft_model) if draft_model is not None else None
     # The draft is prepared and compiled on a second thread while the target is (OpenVINO releases the
     # GIL while it transforms and compiles): a later run's start is mostly these two compilations.
     with ThreadPoolExecutor(max_workers=1) as pool:
@@ -47,9 +53,13 @@ def load_pipelines(model_dir: Path, draft_dir: str | Path | None, config: Engine
             model_dir,
             device=config.device,
             ov_config=config.ov_config,
-            hidden_layer_ids=read_draft_metadata(draft_model).target_layer_ids if draft_model is not None else (),
+            hidden_layer_ids=metadata.target_layer_ids if metadata is not None else (),
         )
-        kv_cache_manager = _make_kv_cache(runner, config, draft=False)
+        if runner.is_hybrid:  # linear-attention state blocks beside the KV blocks; no prefix caching
+            config = _without_prefix_caching(config)
+            kv_cache_manager = _make_hybrid_cache(runner, config, max_verify_rows=1 + metadata.max_candidates if metadata else 0)
+        else:
+            kv_cache_manager = _make_kv_cache(runner, config, draft=False)
         draft_runner = None if draft_runner is None else draft_runner.result()
     drafter: DFlashDrafter | NoDrafter = NoDrafter()
     if draft_runner is not None:
@@ -65,6 +75,24 @@ def _make_kv_cache(runner, config: EngineConfig, *, draft: bool) -> KVCacheManag
     num_blocks = cache.resolve_num_blocks(runner.bytes_per_block)
     runner.allocate_cache(num_blocks)
     return KVCacheManager(BlockPool(num_blocks, cache.kv_block_size, cache.enable_prefix_caching))
+
+
+def _without_prefix_caching(config: EngineConfig) -> EngineConfig:
+    """A hybrid target's config: prefix caching off (by default), or refused when asked for."""
+    if config.enable_prefix_caching:
+        raise InputError(
+            "prefix caching is not supported for hybrid linear-attention targets (Qwen3.5) yet",
+            "run without it (--no-prefix-caching, EngineConfig(enable_prefix_caching=False)); docs/hybrid-targets.md",
+        )
+    return dataclasses.replace(config, enable_prefix_caching=False)
+
+
+def _make_hybrid_cache(runner: TargetRunner, config: EngineConfig, *, max_verify_rows: int) -> HybridCacheManager:
+    """KV blocks as for any target, and the state pool, its tables allocated to match."""
+    kv = _make_kv_cache(runner, config, draft=False)
+    num_state_blocks = config.state_pool_blocks(runner.state_tables.bytes_per_block, max_verify_rows)
+    runner.allocate_state(num_state_blocks)
+    return HybridCacheManager(kv.pool, StatePool(num_state_blocks, zero=runner.state_tables.zero))
 
 
 def read_model_config(model_dir: Path) -> dict:

@@ -2,21 +2,23 @@
 
 The runner never decides who runs: it gets the step's sequences (past length, new rows, block table)
 and their token ids, and returns logits for the rows that sample plus, when a draft needs them, the
-target hidden states of every row.
+target hidden states of every row. A hybrid target (Qwen3.5: linear-attention layers beside attention
+ones) also gets its `la.*` inputs, packed by its cache manager (core/hybrid_cache.py), and owns the
+state tables they index (core/state_pool.py).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import openvino as ov
 
 from .config import compile_properties
-from .errors import InputError, ModelFormatError
+from .errors import InputError
 from .graph import HIDDEN_STATES_OUTPUT, SAMPLED_ROWS_INPUT, add_hidden_states_output, insert_logits_gather
 from .paged import (
     KVCacheLayout,
@@ -28,6 +30,7 @@ from .paged import (
     read_kv_cache_layout,
     to_paged_attention,
 )
+from .state_pool import StateTables, state_table_names
 
 MODEL_FILE = "openvino_model.xml"
 
@@ -39,6 +42,7 @@ class StepInputs:
     seqs: list[SequenceSlice]
     token_ids: np.ndarray  # [num_tokens] i64
     sample_rows: np.ndarray  # [num_sampled] i64, indices into the packed rows
+    state_inputs: dict[str, np.ndarray] = field(default_factory=dict)  # la.* of a hybrid target, else empty
 
 
 @dataclass
@@ -50,11 +54,13 @@ class StepOutputs:
     hidden_states: np.ndarray | None  # [num_tokens, k * hidden] f32, when hidden layers were requested
 
 
-def pack_target_rows(scheduled: Sequence[tuple], block_table: Callable[[str], list[int]]) -> StepInputs:
+def pack_target_rows(scheduled: Sequence[tuple], block_table: Callable[[str], list[int]],
+                     state_inputs: Callable[[list], dict[str, np.ndarray]] | None = None) -> StepInputs:  # fmt: skip
     """The scheduled rows of every request, in order, as one PagedAttention call.
 
     scheduled: (ScheduledRequest, Request) pairs; a request's rows are its committed tokens and then
     its candidates from `num_computed_tokens_before` on, and the last `num_sampled_rows` of them sample.
+    state_inputs: the cache manager's packing of linear-attention state (a hybrid target's `la.*`).
     """
     seqs, token_ids, sample_rows = [], [], []
     for s, request in scheduled:
@@ -69,6 +75,7 @@ def pack_target_rows(scheduled: Sequence[tuple], block_table: Callable[[str], li
         seqs=seqs,
         token_ids=np.asarray(token_ids, dtype=np.int64),  # [num_tokens]
         sample_rows=np.asarray(sample_rows, dtype=np.int64),  # [num_sampled]
+        state_inputs=state_inputs([s for s, _ in scheduled]) if state_inputs is not None else {},
     )
 
 
@@ -144,31 +151,26 @@ class TargetRunner(PagedModel):
             # Resolved on the exported graph; the producers keep their names through the transformation.
             layer_outputs = hidden_state_outputs(model, hidden_layer_ids)
         info = to_paged_attention(model)
-        _refuse_linear_attention(info.other_inputs)
+        state_tables = state_table_names(info.other_inputs, model)  # [] unless a hybrid target
         insert_logits_gather(model)
         self.has_hidden_states = bool(layer_outputs)
         if layer_outputs:
             add_hidden_states_output(model, layer_outputs)
         super().__init__(model, device=device, ov_config=ov_config)
+        self.state_tables = StateTables(self.compiled, state_tables) if state_tables else None
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Linear-attention layers beside the attention ones: state blocks besides the KV blocks."""
+        return self.state_tables is not None
+
+    def allocate_state(self, num_blocks: int) -> None:
+        """Allocate a hybrid target's state tables once (zeroed), as `allocate_cache` does the KV caches."""
+        self.state_tables.allocate(self._request, num_blocks)
 
     def run(self, step: StepInputs) -> StepOutputs:
-        self._infer(step.seqs, {"input_ids": step.token_ids}, step.sample_rows)
+        rows = {"input_ids": step.token_ids, **step.state_inputs} if step.state_inputs else {"input_ids": step.token_ids}
+        self._infer(step.seqs, rows, step.sample_rows)
         # The draft keeps hidden rows across steps: a copy (the logits are read before the next inference).
         hidden = self._output(HIDDEN_STATES_OUTPUT).copy() if self.has_hidden_states else None
         return StepOutputs(logits=self._output("logits"), hidden_states=hidden)
-
-
-# Inputs `paged_attention_transformation` adds for linear-attention (GatedDeltaNet, causal conv) layers.
-LINEAR_ATTENTION_PREFIXES = ("la.", "conv_state_table.", "gated_delta_state_table.")
-
-
-def _refuse_linear_attention(other_inputs: Sequence[str]) -> None:
-    """Hybrid targets (Qwen3.5) export and run on PagedAttention, but the engine does not drive their
-    recurrent state yet: its blocks, checkpoints per verified row and the promotion of the accepted
-    one (docs/hybrid-targets.md has the plan). Refuse them before they could give wrong tokens."""
-    found = [name for name in other_inputs if name.startswith(LINEAR_ATTENTION_PREFIXES)]
-    if found:
-        raise ModelFormatError(
-            f"hybrid linear-attention targets are not supported by the engine yet (inputs {', '.join(found[:3])}, ...)",
-            "export works (`dflash export`); generation on them is issue 17, see docs/hybrid-targets.md",
-        )

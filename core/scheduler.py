@@ -269,6 +269,8 @@ class Scheduler:
         says how many are verified (num_spec_tokens); the request's candidates stay as they are.
         """
         num_spec = min(len(request.spec_token_ids), max(0, request.max_num_tokens - 1 - request.num_tokens))
+        if num_spec:
+            num_spec = self.kv_cache_manager.limit_spec_tokens(request, num_spec)  # a hybrid target's checkpoints
         return max(0, min(request.num_tokens + num_spec - request.num_computed_tokens, budget))
 
     def _allocate_or_preempt(self, request: Request, num_new_tokens: int, step: _Step) -> bool:
@@ -363,6 +365,7 @@ class Scheduler:
             tokens = new_token_ids.get(scheduled.req_id, ())
             self._commit(request, scheduled, tokens, num_rejected.get(scheduled.req_id))
             self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+            self.kv_cache_manager.commit_state(request, scheduled)  # a hybrid target keeps the accepted state
 
     @staticmethod
     def _commit(

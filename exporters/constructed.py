@@ -3,7 +3,7 @@
 Built from the tiny random checkpoints of `exporters/tiny.py` and `exporters/draft_checkpoint.py`, with
 weights edited before export:
 
-* the "chain" target: every layer's o_proj/down_proj is zero, so the final hidden state is the token's
+* the "chain" target: every layer's o_proj/down_proj (and a hybrid target's linear_attn.out_proj) is zero, so the final hidden state is the token's
   own embedding and the lm_head alone picks the next token: a fixed successor `succ(x)` on a long cycle
   of ordinary tokens, and the constant token A after A and after the mask token;
 * "zero" drafts (`scale_residual_writes(w, 0.0)`): block row r outputs the normed embedding of its own
@@ -37,15 +37,16 @@ def edit_weights(folder: Path, edit: Callable[[dict[str, torch.Tensor]], None]) 
 
 
 def scale_residual_writes(weights: dict[str, torch.Tensor], factor: float) -> None:
-    """Scale what every layer adds to the residual stream (attention and MLP output projections)."""
+    """Scale what every layer adds to the residual stream (attention, linear attention and MLP output
+    projections)."""
     for name in weights:
-        if name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
+        if name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight", "linear_attn.out_proj.weight")):
             weights[name] = weights[name] * factor
 
 
 def unit_final_norm(weights: dict[str, torch.Tensor]) -> None:
     """Final norms of ones: the target's and the draft's heads then see the same normed embedding."""
-    for name in ("norm.weight", "model.norm.weight"):
+    for name in ("norm.weight", "model.norm.weight", "model.language_model.norm.weight"):
         if name in weights:
             weights[name] = torch.ones_like(weights[name])
 
@@ -68,7 +69,8 @@ def make_chain(weights: dict[str, torch.Tensor], succ: dict[int, int]) -> None:
     """
     scale_residual_writes(weights, 0.0)
     unit_final_norm(weights)
-    embed = weights["model.embed_tokens.weight"]
+    embed_name = next(n for n in ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight") if n in weights)
+    embed = weights[embed_name]
     vocab, hidden = embed.shape
     g = torch.Generator().manual_seed(7)
     c = torch.randn(hidden, generator=g)
@@ -83,13 +85,15 @@ def make_chain(weights: dict[str, torch.Tensor], succ: dict[int, int]) -> None:
     head[A] = c
     for x in (A, MASK):
         rows[x] = 3.0 * c + 0.1 * rows[x]
-    weights["model.embed_tokens.weight"] = rows * 0.5
+    weights[embed_name] = rows * 0.5
     weights["lm_head.weight"] = head
 
 
-def make_chain_target(folder: Path, seed: int = 5, succ_seed: int = 1) -> tuple[Path, dict[int, int]]:
-    """The chain target's Hugging Face folder and its successor map."""
-    target = make_tiny_target(folder, "qwen3", seed=seed)
+def make_chain_target(folder: Path, seed: int = 5, succ_seed: int = 1, family: str = "qwen3") -> tuple[Path, dict[int, int]]:
+    """The chain target's Hugging Face folder and its successor map (`family` "qwen3_5_text": a hybrid
+    chain target, its GatedDeltaNet layers silenced as well; Qwen3.5's final norm scales by 1 + weight,
+    a uniform 2 that leaves every argmax alone)."""
+    target = make_tiny_target(folder, family, seed=seed)
     succ = chain_successors(json.loads((target / "config.json").read_text())["vocab_size"], seed=succ_seed)
     edit_weights(target, lambda w: make_chain(w, succ))
     return target, succ

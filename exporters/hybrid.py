@@ -24,12 +24,11 @@ import numpy as np
 import openvino as ov
 
 from dflash.core.errors import ExportError, ModelFormatError
+from dflash.core.state_pool import ROPE_FROM_POSITION_IDS
 
 # model_type -> the transformers versions optimum-intel 2.2.0 exports it under (its own caps).
 _SUPPORTED_TRANSFORMERS = {"qwen3_5_text": ("5.2.", "5.2.x"), "qwen3_5": ("5.2.", "5.2.x")}
 LINEAR_ATTENTION = "linear_attention"
-# rt_info written on an exported hybrid target: the rotary embedding reads position_ids (see above).
-ROPE_FROM_POSITION_IDS = "dflash/rope_from_position_ids"
 
 
 def is_hybrid_config(config: dict[str, Any]) -> bool:

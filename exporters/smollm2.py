@@ -5,7 +5,9 @@ vocab 49152). transformers loads its weights (`gguf_file=`, with the `gguf` and 
 packages) and dequantizes them to fp32, but converts its tokenizer wrongly (transformers 5.5 picks
 a CodeLlama tokenizer: BOS `<|im_start|>` prepended, spaces turned into `<|endoftext|>`, five extra
 FIM tokens beyond the vocabulary). So the weights come through transformers and the tokenizer is
-rebuilt here from the GGUF's own vocabulary and merges, as the GPT-2 style byte-level BPE it is:
+rebuilt here from the GGUF's own vocabulary and merges, as the GPT-2 style byte-level BPE it is,
+whatever the transformers version (under the pinned 5.2.0 too, where tests/test_smollm2.py checks
+the repaired ids):
 
 - pre-tokenizer: single digits, then GPT-2's byte-level regex (llama.cpp calls this "smollm";
   the vocabulary has no token with a digit next to anything else);
@@ -158,7 +160,7 @@ def _read_stamp(out_dir: Path) -> dict[str, Any] | None:
 
 def _set_tokenizer_class(folder: Path) -> None:
     """Name the generic fast tokenizer class, which loads tokenizer.json as written in transformers 4
-    and 5 alike (5.5 writes its internal name, TokenizersBackend, which 4.x does not know)."""
+    and 5 alike (5.x writes its internal name, TokenizersBackend, which 4.x does not know)."""
     path = folder / "tokenizer_config.json"
     config = json.loads(path.read_text())
     config["tokenizer_class"] = "PreTrainedTokenizerFast"

@@ -254,7 +254,7 @@ def test_staggered_arrivals(qwen3):
 def test_prefix_cache_hits_give_the_same_tokens(qwen3):
     engine = make_engine(qwen3.ov_dir)
     kv_block_size = engine.runner.kv_block_size
-    long_ids = engine.tokenizer(PROMPTS[LONG]).input_ids
+    long_ids = engine.tokenizer(PROMPTS[LONG])["input_ids"]
     assert len(long_ids) > 2 * kv_block_size, "the prompt must span more than 2 blocks"
 
     (first,), (first_req,) = run_all(engine, [PROMPTS[LONG]])
@@ -266,7 +266,7 @@ def test_prefix_cache_hits_give_the_same_tokens(qwen3):
     assert again.token_ids == first.token_ids == qwen3.reference[LONG]
 
     # A different prompt that shares the first blocks hits them, then computes the rest.
-    other_ids = engine.tokenizer(PROMPTS[LONG + 1]).input_ids
+    other_ids = engine.tokenizer(PROMPTS[LONG + 1])["input_ids"]
     shared_blocks = common_prefix(long_ids, other_ids) // kv_block_size
     assert shared_blocks >= 1
     (other,), (other_req,) = run_all(engine, [PROMPTS[LONG + 1]])
@@ -280,7 +280,7 @@ def test_prefix_cache_at_block_boundaries(qwen3):
     engine = make_engine(qwen3.ov_dir)
     uncached = make_engine(qwen3.ov_dir, enable_prefix_caching=False)
     kv_block_size = engine.runner.kv_block_size
-    long_ids = engine.tokenizer(PROMPTS[LONG + 1]).input_ids
+    long_ids = engine.tokenizer(PROMPTS[LONG + 1])["input_ids"]
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     for length, hit_blocks in ((2 * kv_block_size, 1), (2 * kv_block_size + 1, 2), (2 * kv_block_size - 1, 1)):
         prompt = long_ids[:length]
@@ -391,7 +391,7 @@ def test_empty_prompt_fails_alone(qwen3, engine):
 
 
 def test_token_ids_outside_the_vocabulary_fail(qwen3, engine):
-    ids = engine.tokenizer(PROMPTS[1]).input_ids
+    ids = engine.tokenizer(PROMPTS[1])["input_ids"]
     results, _ = run_all(engine, [[5000, *ids], ids, [-1, *ids]])
     assert results[0].finish_reason == "error" and "vocabulary" in results[0].error
     assert results[2].finish_reason == "error" and "vocabulary" in results[2].error

@@ -4,8 +4,8 @@ Export with the project's target exporter, the stateful IR against transformers'
 forward, and the PagedAttention model driven by hand through its `la.*` inputs and state tables:
 one-shot and chunked prefill, two sequences in one call, and speculative verification with one
 checkpoint per verified row (the state after k rows lands in checkpoint k; the committed block is left
-as it was). The engine does not drive these inputs yet and refuses such targets; these tests pin the
-OpenVINO behaviour the engine will build on (docs/hybrid-targets.md).
+as it was). These tests pin the OpenVINO behaviour the engine builds on (docs/hybrid-targets.md);
+tests/test_hybrid_engine.py tests the engine itself.
 
 optimum-intel 2.2.0 exports qwen3_5_text only with transformers 5.2.x: the export tests skip elsewhere.
 Exact comparisons run with f32 compute and caches.
@@ -13,6 +13,7 @@ Exact comparisons run with f32 compute and caches.
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -53,7 +54,8 @@ def test_unsupported_hybrid_exports_get_one_line(monkeypatch):
         require_hybrid_export_support({"model_type": "qwen3_next"})
     with pytest.raises(ModelFormatError, match="vision-language"):
         require_hybrid_export_support({"model_type": "qwen3_5"})
-    monkeypatch.setattr(transformers, "__version__", "5.5.4")
+    # The module as imported now: an export earlier in the session can leave another object in sys.modules.
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "5.5.4")
     with pytest.raises(ModelFormatError, match=r"only with transformers 5\.2\.x, this environment has 5\.5\.4") as err:
         require_hybrid_export_support({"model_type": "qwen3_5_text"})
     assert "\n" not in err.value.message
@@ -246,11 +248,21 @@ def test_verification_checkpoints_hold_the_state_after_each_row(hybrid, hf_model
 
 @pytest.mark.slow
 @needs_52
-def test_engine_refuses_hybrid_targets_for_now(hybrid):
+def test_engine_refuses_a_hybrid_target_without_rope_from_position_ids(hybrid, tmp_path):
+    """optimum-intel's own export (no position rewiring) would give every packed row the last row's
+    position: the engine refuses it in one line instead of generating wrong tokens."""
+    import shutil
+
     from dflash.core.model_runner import TargetRunner
 
-    with pytest.raises(ModelFormatError, match="hybrid linear-attention targets are not supported by the engine yet"):
-        TargetRunner(hybrid[1])
+    copy = tmp_path / "no-rewiring"
+    shutil.copytree(hybrid[1], copy)
+    xml = copy / "openvino_model.xml"
+    xml.write_text(xml.read_text().replace("dflash/rope_from_position_ids", "dflash/rope_removed"))
+    with pytest.raises(ModelFormatError, match="takes its rotary positions from its KV length") as err:
+        TargetRunner(copy)
+    assert "\n" not in err.value.message
+    assert TargetRunner(hybrid[1]).is_hybrid  # the export as it is runs
 
 
 @pytest.mark.slow
