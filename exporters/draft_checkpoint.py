@@ -237,6 +237,7 @@ def make_tiny_draft(
         raise ValueError(f"kind must be 'dflash' or 'dspark', got {kind!r}")
     target_dir = Path(target_dir)
     target = json.loads((target_dir / "config.json").read_text())
+    target = target.get("text_config") or target  # a vision-language target: its language model
     num_target_layers = target["num_hidden_layers"]
     if target_layer_ids is None:
         # Two well-separated, non-final target layers (z-lab's rule repeats a layer on a 4-layer target).

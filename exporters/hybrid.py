@@ -14,21 +14,41 @@ What is special about exporting them, measured on openvino 2026.4.1 / optimum-in
   chunks and speculative verification. `use_position_ids_for_rope` feeds the rotary embedding from
   `position_ids` instead; the stateful model then gives the same logits as before (the caller's
   position_ids are the arange), and the PagedAttention model gives transformers' logits for any packing.
+- Qwen3.5 is published as a vision-language checkpoint (`qwen3_5`: `Qwen3_5ForConditionalGeneration`, a
+  `text_config`, the language model's weights under `model.language_model.*`). `text_target_source`
+  stages its language model as a `qwen3_5_text` checkpoint (a config.json made from `text_config`, the
+  weight and tokenizer files linked, not copied): transformers 5.2's `Qwen3_5ForCausalLM` renames
+  `model.language_model.*` to `model.*` itself and drops `model.visual.*` and `mtp.*`, so the export is
+  exactly that of a `qwen3_5_text` checkpoint, minus the vision tower.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import openvino as ov
 
-from dflash.core.errors import ExportError, ModelFormatError
+from dflash.core.errors import ExportError, InputError, ModelFormatError
 from dflash.core.state_pool import ROPE_FROM_POSITION_IDS
 
 # model_type -> the transformers versions optimum-intel 2.2.0 exports it under (its own caps).
 _SUPPORTED_TRANSFORMERS = {"qwen3_5_text": ("5.2.", "5.2.x"), "qwen3_5": ("5.2.", "5.2.x")}
 LINEAR_ATTENTION = "linear_attention"
+
+# Vision-language model_type -> the model_type and architecture of its language model, exported as the target.
+VLM_TEXT_TARGETS = {"qwen3_5": ("qwen3_5_text", "Qwen3_5ForCausalLM")}
+# Files of a VLM checkpoint the text target does not take: its own config, the image/video processors' configs.
+_VISION_ONLY_FILES = ("config.json", "preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json")
+# What a hub VLM checkpoint's language model needs: config, weights (and their index), tokenizer files.
+_HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.jinja", "*.model", "*.tiktoken"]
 
 
 def is_hybrid_config(config: dict[str, Any]) -> bool:
@@ -46,17 +66,11 @@ def require_hybrid_export_support(config: dict[str, Any]) -> None:
     import transformers
 
     model_type = str(config.get("model_type"))
-    if model_type == "qwen3_5":
-        raise ModelFormatError(
-            "qwen3_5 checkpoints (Qwen3.5 as published, vision-language) are not supported yet; "
-            "dflash exports qwen3_5_text configs",
-            "exporting the language model of a qwen3_5 checkpoint as a target is still to do (issue 17)",
-        )
     supported = _SUPPORTED_TRANSFORMERS.get(model_type)
     if supported is None:
         raise ModelFormatError(
             f"hybrid linear-attention targets of model_type {model_type!r} are not supported yet",
-            "supported: qwen3_5_text (Qwen3.5 text models) under transformers 5.2.x",
+            "supported: qwen3_5 and qwen3_5_text (Qwen3.5, its language model) under transformers 5.2.x",
         )
     prefix, spelled = supported
     if not transformers.__version__.startswith(prefix):
@@ -65,6 +79,70 @@ def require_hybrid_export_support(config: dict[str, Any]) -> None:
             f"this environment has {transformers.__version__}",
             f"pip install 'transformers=={spelled.replace('x', '0')}' (see docs/hybrid-targets.md)",
         )
+
+
+def text_target_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The config.json of a VLM checkpoint's language model as a causal LM of its own (`qwen3_5_text`).
+
+    `text_config` as it is, plus the architecture, and what the VLM keeps at the top level: whether the
+    embeddings are tied (the VLM ties them by its top-level `tie_word_embeddings`, default False,
+    whatever `text_config` says), the dtype and the special token ids `text_config` lacks.
+    """
+    text_type, architecture = VLM_TEXT_TARGETS[str(config.get("model_type"))]
+    text = dict(config.get("text_config") or {})
+    if not text:
+        raise ModelFormatError(
+            f"this {config.get('model_type')} config.json has no text_config", "fix or re-download config.json"
+        )
+    text.update(model_type=text_type, architectures=[architecture])
+    text["tie_word_embeddings"] = bool(config.get("tie_word_embeddings", False))
+    for key in ("dtype", "torch_dtype", "bos_token_id", "eos_token_id", "pad_token_id", "transformers_version"):
+        if key in config and text.get(key) is None:
+            text[key] = config[key]
+    return text
+
+
+@contextlib.contextmanager
+def text_target_source(model: str | Path, config: dict[str, Any]) -> Iterator[tuple[str | Path, dict[str, Any]]]:
+    """(checkpoint, config) to export as the target: `model` itself, or a VLM's language model staged.
+
+    For a vision-language checkpoint (VLM_TEXT_TARGETS) a temporary folder holds the text config
+    (`text_target_config`) and links to every other file but the processors' configs; it is removed
+    on exit. Says on stderr, in one line, that the vision tower is left out.
+    """
+    if config.get("model_type") not in VLM_TEXT_TARGETS:
+        yield model, config
+        return
+    text = text_target_config(config)
+    source = _local_checkpoint(model)
+    with tempfile.TemporaryDirectory(prefix="dflash-text-target-") as folder:
+        staged = Path(folder)
+        (staged / "config.json").write_text(json.dumps(text, indent=2) + "\n")
+        for item in source.iterdir():
+            if item.name not in _VISION_ONLY_FILES and not item.name.startswith("."):
+                os.symlink(item.resolve(), staged / item.name)
+        print(
+            f"note: {model} is a vision-language {config['model_type']} checkpoint: exporting its language "
+            f"model as a {text['model_type']} target; the vision tower is left out",
+            file=sys.stderr,
+        )
+        yield staged, text
+
+
+def _local_checkpoint(model: str | Path) -> Path:
+    """A local folder as it is; a hub id's snapshot of the files a text target needs."""
+    if Path(model).is_dir():
+        return Path(model)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(str(model), allow_patterns=_HUB_PATTERNS))
+    except Exception as exc:  # noqa: BLE001 - any hub failure means the same thing to the user
+        first = str(exc).splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise InputError(
+            f"cannot download {model} ({first})",
+            "check the hub id and your network / HF_TOKEN, or pass a local folder",
+        ) from exc
 
 
 def use_position_ids_for_rope(model: ov.Model) -> None:

@@ -22,6 +22,8 @@ _DRAFT_MARKERS = ("dflash", "dspark")
 
 # Suffixes of Hugging Face causal-LM head classes (LlamaForCausalLM, GPT2LMHeadModel, ...).
 _CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+# model_types of vision-language checkpoints exported as their language model (hybrid.VLM_TEXT_TARGETS).
+_VLM_TEXT_TARGET_TYPES = ("qwen3_5",)
 
 
 def is_draft_architecture(name: str) -> bool:
@@ -40,6 +42,9 @@ def detect_role(model_dir_or_config: dict[str, Any] | str | Path) -> Role:
     if any(is_draft_architecture(name) for name in architectures):
         return "draft"
     if any(name.endswith(_CAUSAL_LM_SUFFIXES) for name in architectures):
+        return "target"
+    # A vision-language checkpoint whose language model dflash exports as the target (exporters/hybrid.py).
+    if config.get("model_type") in _VLM_TEXT_TARGET_TYPES:
         return "target"
     # Configs saved without `architectures` still name a model type transformers can map to a causal LM.
     if not architectures and _is_causal_lm_model_type(config.get("model_type")):

@@ -11,7 +11,8 @@ Stages, in order (each announced through `on_step`):
 2. convert with optimum-intel into a staging folder next to the output (exporters/staging.py), so a
    failed or interrupted export never leaves a half-written model where a finished one is expected;
    hybrid linear-attention targets (Qwen3.5) get their rotary positions from `position_ids`
-   (exporters/hybrid.py);
+   (exporters/hybrid.py); of a vision-language Qwen3.5 checkpoint (`qwen3_5`) only the language model
+   is exported, staged as a `qwen3_5_text` checkpoint (`text_target_source`);
 3. annotate the decoder layers on the uncompressed graph;
 4. compress the weights with NNCF through optimum-intel's own weight-quantization config (int8/int4),
    then check that every locator still resolves;
@@ -41,7 +42,12 @@ from dflash.core.hidden_states import (
 )
 
 from . import interrupts
-from .hybrid import is_hybrid_config, require_hybrid_export_support, use_position_ids_for_rope
+from .hybrid import (
+    is_hybrid_config,
+    require_hybrid_export_support,
+    text_target_source,
+    use_position_ids_for_rope,
+)
 from .roles import detect_role, read_source_config
 from .staging import check_output_dir, disk_full_error, publish, saving, staging_dir
 
@@ -94,9 +100,9 @@ def export_target(
     if is_hybrid_config(config):
         require_hybrid_export_support(config)
 
-    with staging_dir(output_dir) as stage:
+    with staging_dir(output_dir) as stage, text_target_source(model, config) as (source, source_config):
         work = stage / ".convert"  # optimum-intel's own output; the final files go to `stage`
-        ov_model = _converted_model(model, config, work, output_dir, weight_format, trust_remote_code, step)
+        ov_model = _converted_model(source, source_config, work, output_dir, weight_format, trust_remote_code, step)
         with interrupts.deferred(), saving(output_dir):
             # fp16 weights are already f16 constants; compressing again only keeps them so.
             ov.save_model(ov_model, stage / MODEL_XML, compress_to_fp16=weight_format == "fp16")

@@ -52,6 +52,18 @@ _TINY_LINEAR_ATTENTION = dict(
 )
 
 
+# The tiny vision-language Qwen3.5 (`qwen3_5`, the published layout): a vision tower as small as its config
+# allows (the text target leaves it out) and the published rotary layout (interleaved M-RoPE over a quarter
+# of head_dim; Qwen3.5-9B: sections [11, 11, 10] of 32 frequencies) scaled to head_dim 16.
+_TINY_VISION = dict(
+    depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, spatial_merge_size=2,
+    temporal_patch_size=2, num_position_embeddings=16,
+)
+_TINY_MROPE = dict(
+    rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25, mrope_section=[1, 1, 0], mrope_interleaved=True
+)
+
+
 def _tiny_config_kwargs(vocab_size: int, **overrides) -> dict:
     base = dict(
         vocab_size=vocab_size,
@@ -134,6 +146,46 @@ def make_tiny_target(
     model.generation_config = GenerationConfig(
         eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=pad_id, do_sample=False
     )
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def make_tiny_vlm_target(
+    path: str | Path,
+    *,
+    seed: int = 0,
+    vocab_size: int = 512,
+    tie_word_embeddings: bool = False,
+    **text_overrides,
+) -> Path:
+    """Write a tiny random-weight vision-language Qwen3.5 checkpoint (`qwen3_5`) to `path`.
+
+    Laid out as Qwen3.5 is published: `Qwen3_5ForConditionalGeneration`, the language model (the tiny
+    `qwen3_5_text` sizes, `text_overrides` on top) in `text_config` with its weights under
+    `model.language_model.*`, a one-block vision tower under `model.visual.*`, `tie_word_embeddings` at
+    the top level (where the VLM reads it; `lm_head.weight` is then not saved). The image/video token
+    ids lie past the vocabulary, so no text token is one. Needs transformers >= 5.2.
+    """
+    import torch
+    from transformers import GenerationConfig, Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(vocab_size)
+    eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    pad_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    text = _tiny_config_kwargs(vocab_size, eos_token_id=eos_id, bos_token_id=pad_id, pad_token_id=pad_id)
+    text.update(_TINY_LINEAR_ATTENTION, rope_parameters=dict(_TINY_MROPE), tie_word_embeddings=tie_word_embeddings)
+    text.pop("rope_theta")
+    text.update(text_overrides)
+    vision = dict(_TINY_VISION, out_hidden_size=text["hidden_size"])
+    special = dict(zip(("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"), range(vocab_size, vocab_size + 4)))
+    config = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=tie_word_embeddings, **special)
+
+    torch.manual_seed(seed)
+    model = Qwen3_5ForConditionalGeneration(config).eval()
+    model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=pad_id, do_sample=False)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
