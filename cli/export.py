@@ -57,7 +57,7 @@ def export(
 ) -> None:
     """Export a target and/or a DFlash/DSpark draft to OpenVINO IR.
 
-    The role of MODEL comes from its config.json: a draft architecture (DFlashDraftModel, Qwen3DSparkModel) is exported in the per-row PagedAttention layout, anything else as a stateful causal LM annotated with its decoder layers' hidden states. With --draft the pair goes to OUTPUT_DIR/target and OUTPUT_DIR/draft and is validated at the end.
+    The role of MODEL comes from its config.json: a draft architecture (DFlashDraftModel, Qwen3DSparkModel) is exported in the per-row PagedAttention layout, anything else as a stateful causal LM annotated with its decoder layers' hidden states (of a vision-language Qwen3.5 checkpoint, qwen3_5, its language model: the vision tower is left out). With --draft the pair goes to OUTPUT_DIR/target and OUTPUT_DIR/draft and is validated at the end.
 
     The export is written into a staging folder beside OUTPUT_DIR and replaces it only when complete: a failed or interrupted export leaves OUTPUT_DIR as it was. An OUTPUT_DIR that holds anything but a previous export of the same kind is refused (exit 2) unless --overwrite.
     """
