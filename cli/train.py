@@ -54,7 +54,7 @@ def train(
     data: Annotated[Optional[list[Path]], typer.Option("--data", help="Training data: JSONL of token ids with prompt_len (as --generate-data / --text-from write); repeat for several files.", show_default=False)] = None,
     generate_data: Annotated[Optional[int], typer.Option("--generate-data", help=f"Answer N built-in (or --prompts) prompts with the target first (default: {DEFAULT_PROMPTS} when --data is not given).", show_default=False)] = None,
     prompts: Annotated[Optional[Path], typer.Option("--prompts", help="Prompts for --generate-data: a text file (one per line) or JSONL with \"prompt\".", show_default=False)] = None,
-    self_instruct: Annotated[Optional[int], typer.Option("--self-instruct", min=1, help="For --generate-data: N requests written by the target itself (it continues its chat template at a user turn, sampled; Magpie) instead of the built-in prompts; kept in OUTPUT_DIR/self_instruct_prompts.txt.", show_default=False)] = None,
+    self_instruct: Annotated[Optional[int], typer.Option("--self-instruct", min=1, help="For --generate-data: N requests written by the target itself (it continues its chat template at a user turn, sampled; Magpie) instead of the built-in prompts; kept in OUTPUT_DIR/self_instruct_prompts.txt. --gen-time-limit also bounds the writing.", show_default=False)] = None,
     save_data: Annotated[Optional[Path], typer.Option("--save-data", help=f"Where generated data goes (default: OUTPUT_DIR/{DATA_FILE}).", show_default=False)] = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Longest generated response.")] = 256,
     gen_batch_size: Annotated[Optional[int], typer.Option("--gen-batch-size", help="Prompts per generate call (default: 256 on cuda, 8 on cpu).", show_default=False)] = None,
@@ -216,7 +216,7 @@ def _generated_data(o: SimpleNamespace, loaded, torch_device, exclude, output: O
         from dflash.training.prompts import self_instruct_prompts
 
         with output.status(f"Writing {o.self_instruct} requests with the target (self-instruct)"):
-            prompt_list = self_instruct_prompts(loaded, o.self_instruct, seed=o.seed,
+            prompt_list = self_instruct_prompts(loaded, o.self_instruct, seed=o.seed, time_limit_s=o.gen_time_limit,
                                                 batch_size=o.gen_batch_size or (1024 if torch_device.type == "cuda" else 8))
         o.output_dir.mkdir(parents=True, exist_ok=True)
         (o.output_dir / "self_instruct_prompts.txt").write_text("".join(p + "\n" for p in prompt_list))

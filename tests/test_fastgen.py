@@ -65,3 +65,33 @@ def test_self_instruct_writes_distinct_requests_after_the_user_turn(target):
     assert prompts and len(prompts) <= 12
     assert len({p.lower() for p in prompts}) == len(prompts)
     assert all(len(p.split()) >= 3 and "<|" not in p for p in prompts)
+
+
+def test_cli_self_instruct_writes_its_requests_and_answers_them(tmp_path, target):
+    import json
+
+    import typer
+    from typer.testing import CliRunner
+
+    from dflash.cli import train as train_cmd
+    from dflash.training.data import read_dataset
+
+    def _app():
+        app = typer.Typer()
+        app.command("train")(train_cmd.train)
+        app.command("noop")(lambda: None)  # two commands, so "train" is a subcommand as in the real app
+        return app
+
+    out = tmp_path / "si"
+    result = CliRunner().invoke(_app(), ["train", str(target.path), str(out), "--data-only", "--self-instruct", "6",
+                                         "--generate-data", "100", "--max-new-tokens", "6", "--gen-batch-size", "16",
+                                         "--ignore-eos", "--device", "cpu", "--decontaminate", "none", "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    requests = (out / "self_instruct_prompts.txt").read_text().splitlines()
+    assert summary["self_instruct"]["requests"] == len(requests) > 0
+    assert summary["generation"]["sequences"] == len(read_dataset(out / "train_data.jsonl")) == len(requests)
+
+    refused = CliRunner().invoke(_app(), ["train", str(target.path), str(tmp_path / "x"), "--self-instruct", "6",
+                                          "--prompts", str(out / "self_instruct_prompts.txt")])
+    assert refused.exit_code == 2 and "--self-instruct and --prompts" in refused.output

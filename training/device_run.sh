@@ -99,7 +99,7 @@ EOF
 
 pack_logs() {  # always runs (trap): logs and summaries come back even when a step failed
   local status=$?
-  (cd "$DEV" && tar -czf "$OUT/logs.tar.gz" --ignore-failed-read $(ls *.log *.json */decontamination.json */training_info.json 2>/dev/null) 2>/dev/null) || true
+  (cd "$DEV" && tar -czf "$OUT/logs.tar.gz" --ignore-failed-read $(ls *.log *.json */decontamination.json */training_info.json */self_instruct_prompts.txt 2>/dev/null) 2>/dev/null) || true
   if [ $status -ne 0 ]; then
     for f in "$DEV"/*.log; do [ -f "$f" ] && { echo "== tail $f"; tail -n 15 "$f"; }; done
   fi
