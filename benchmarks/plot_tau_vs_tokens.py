@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(args.run), figsize=(6 * len(args.run), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(args.run), figsize=(6.5 * len(args.run), 5.6), squeeze=False)
     for ax, spec in zip(axes[0], args.run):
         kind, paths = spec.split("=", 1)
         runs = chain(paths.split(","))
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         ax.set_xlabel("target tokens trained on (millions, runs chained)")
         ax.set_ylabel("tau (mean accepted length)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="lower right")
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
     fig.tight_layout()
     fig.savefig(args.output, dpi=110)
     print(args.output)
