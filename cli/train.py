@@ -157,7 +157,8 @@ def _check_data_options(o: SimpleNamespace) -> None:
     if o.self_instruct is not None and o.prompts is not None:
         raise InputError("--self-instruct and --prompts both say where the prompts come from", hint="give one of them")
     if o.data is not None and (o.generate_data is not None or o.prompts is not None or o.text_from or o.self_instruct):
-        raise InputError("--data cannot be combined with --generate-data, --prompts or --text-from", hint="pick one data source")
+        raise InputError("--data cannot be combined with --generate-data, --prompts, --self-instruct or --text-from",
+                         hint="pick one data source")
     if o.data_only and o.data is not None:
         raise InputError("--data-only generates data; it cannot be combined with --data", hint="drop --data")
     if o.text_from and not o.data_only:

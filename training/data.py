@@ -127,13 +127,12 @@ def generate_responses(
     ignore_eos: bool = False,
     generator: torch.Generator | None = None,
     impl: str = "auto",
-    top_k: int = 0,
 ) -> list[tuple[list[int], bool]]:
     """Greedy answers of one batch of left-padded prompts; returns (response, finished) per prompt.
 
     `impl`: "static" decodes over a preallocated KV cache (fastgen.py: the fast path on a GPU), "hf"
     through transformers' forward and cache (below); "auto" takes "static" on cuda for a target it
-    supports. `top_k` > 0 samples among the k likeliest tokens only (static path).
+    supports.
 
     A plain decoding loop over the model's KV cache rather than `generate`: the same greedy tokens,
     but "is every row finished?" is asked only every `check_every` steps, so the host does not wait
@@ -147,10 +146,9 @@ def generate_responses(
     pad = pad_token_id(target)
     if impl == "auto":
         impl = "static" if target.device.type == "cuda" and supports_static_decoding(target.model) else "hf"
-    if impl == "static" or top_k > 0:
+    if impl == "static":
         return static_generate(target.model, prompt_ids, max_new_tokens, pad_id=pad, stop_ids=sorted(stop_token_ids(target)),
-                               temperature=temperature, top_k=top_k, ignore_eos=ignore_eos, generator=generator,
-                               check_every=check_every)
+                               temperature=temperature, ignore_eos=ignore_eos, generator=generator, check_every=check_every)
     stops = torch.tensor(sorted(stop_token_ids(target)), device=target.device)
     width = max(len(ids) for ids in prompt_ids)
     input_ids = torch.full((len(prompt_ids), width), pad, dtype=torch.long)
