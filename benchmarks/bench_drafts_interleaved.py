@@ -8,6 +8,10 @@ alone are summed over all groups:
 
     python benchmarks/bench_drafts_interleaved.py TARGET full=DRAFT_A cut=DRAFT_B \\
         --dataset humaneval --num-prompts 20 --concurrency 1 --settings adaptive:auto,constant:7
+
+Each draft's acceptance (tau, the mean accepted length with the bonus, and the acceptance at positions
+1-4) is summed over the same prompts: the figure that does not depend on the machine's load.
+`--no-baseline` leaves the target alone out (acceptance only: no speed ratio).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import time
 from dflash.bench.datasets import load_dataset
 from dflash.core.config import EngineConfig, SamplingParams
 from dflash.core.engine import LLMEngine
+from dflash.core.metrics import SpecDecodingStats
 
 
 def params(schedule: str | None, candidates: str | None, max_new_tokens: int) -> SamplingParams:
@@ -38,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=1)
     parser.add_argument("--settings", default="adaptive:auto", help="SCHEDULE:CANDIDATES, comma-separated")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--no-baseline", action="store_true", help="leave out the target alone (acceptance only)")
     args = parser.parse_args(argv)
     prompts = load_dataset(args.dataset, args.num_prompts)
     config = EngineConfig(max_num_seqs=args.concurrency)
@@ -45,9 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     for spec in args.drafts:
         name, path = spec.split("=", 1)
         engines[name] = LLMEngine(args.target_dir, config, draft_dir=path)
-    runs = [("alone", None, None)]
+    runs = [] if args.no_baseline else [("alone", None, None)]
     runs += [(name, *setting.split(":")) for name in engines if name != "alone" for setting in args.settings.split(",")]
     tokens, seconds = dict.fromkeys(runs, 0), dict.fromkeys(runs, 0.0)
+    spec = {run: SpecDecodingStats() for run in runs}
     for run in runs:  # warm-up
         engines[run[0]].generate(prompts[:1], params(run[1], run[2], args.max_new_tokens), chat=True)
     for first in range(0, len(prompts), args.concurrency):
@@ -57,12 +64,21 @@ def main(argv: list[str] | None = None) -> int:
             results = engines[run[0]].generate(group, params(run[1], run[2], args.max_new_tokens), chat=True)
             seconds[run] += time.perf_counter() - start
             tokens[run] += sum(len(result.token_ids) for result in results)
-    baseline = tokens[runs[0]] / seconds[runs[0]]
-    print("| engine | schedule | candidates | tok/s | vs alone |")
-    print("| --- | --- | --- | ---: | ---: |")
+            for result in results:
+                if result.spec is not None:
+                    spec[run].merge(result.spec)
+    baseline = None if args.no_baseline else tokens[runs[0]] / seconds[runs[0]]
+    print("| engine | schedule | candidates | tau | acceptance 1-4 | steps | tok/s | vs alone |")
+    print("| --- | --- | --- | ---: | --- | ---: | ---: | ---: |")
     for run in runs:
         rate = tokens[run] / seconds[run]
-        print(f"| {run[0]} | {run[1] or '-'} | {run[2] or '-'} | {rate:.1f} | {rate / baseline:.2f}x |")
+        stats = spec[run]
+        drafted = run[0] != "alone" and stats.num_drafts > 0
+        tau = f"{stats.mean_accepted_length:.3f}" if drafted else "-"
+        accept = " ".join(f"{a:.3f}" for a in stats.acceptance_by_position[:4]) if drafted else "-"
+        ratio = f"{rate / baseline:.2f}x" if baseline else "-"
+        print(f"| {run[0]} | {run[1] or '-'} | {run[2] or '-'} | {tau} | {accept} | {stats.num_drafts if drafted else '-'} "
+              f"| {rate:.1f} | {ratio} |", flush=True)
     return 0
 
 

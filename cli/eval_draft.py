@@ -32,6 +32,7 @@ def eval_draft(
     num_candidates: Annotated[Optional[int], typer.Option("--num-candidates", min=1, help="Candidates per step (default: all the block yields).", show_default=False)] = None,
     chat: Annotated[bool, typer.Option("--chat/--no-chat", help="Wrap prompts in the chat template (as `dflash bench` does for chat models).")] = True,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Prompts answered at once.")] = 8,
+    draft_vocab_size: Annotated[Optional[int], typer.Option("--draft-vocab-size", min=0, help="Propose only the first N tokens of the checkpoint's draft_vocab.json, as `dflash export --draft-vocab-size N` (default: the size that file gives, as the export; 0: the whole vocabulary).", show_default=False)] = None,
     device: Annotated[str, typer.Option("--device", help="cpu or cuda.")] = "cpu",
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -39,13 +40,13 @@ def eval_draft(
 ) -> None:
     """Measure a draft checkpoint's acceptance in PyTorch on a prompts set, counted exactly as the engine counts it.
 
-    The target answers each prompt greedily (f32 on cpu), then the engine's steps are replayed on that answer: tau (mean accepted length, bonus included) and acceptance by draft position, the figures `dflash bench` reports for the exported pair on the same prompts. Exit codes: 0 ok, 1 failed, 2 usage, 130 interrupted.
+    The target answers each prompt greedily (f32 on cpu), then the engine's steps are replayed on that answer: tau (mean accepted length, bonus included) and acceptance by draft position, the figures `dflash bench` reports for the exported pair on the same prompts. A draft_vocab.json in the checkpoint is honoured as `dflash export` honours it (only those tokens are proposed). Exit codes: 0 ok, 1 failed, 2 usage, 130 interrupted.
     """
     output = Output(json_mode=json_output, quiet=quiet)
     with handled_errors(output, debug=debug):
         from dflash.bench.datasets import load_dataset
         from dflash.core.tokenization import tokenize_prompt
-        from dflash.training.evaluate import evaluate_draft, load_trained_draft
+        from dflash.training.evaluate import evaluate_draft, load_draft_vocab, load_trained_draft
         from dflash.training.target import load_target, resolve_device
 
         torch_device = resolve_device(device)
@@ -53,6 +54,7 @@ def eval_draft(
         with output.status(f"Loading {target_dir}"):
             loaded = load_target(target_dir, torch_device)
             draft, config = load_trained_draft(checkpoint, torch_device)
+            draft_vocab = load_draft_vocab(checkpoint, draft_vocab_size)
         prompts = load_dataset(dataset, num_prompts or None)
         prompt_ids = [tokenize_prompt(loaded.tokenizer, p, chat=chat and bool(loaded.tokenizer.chat_template))[1] for p in prompts]
 
@@ -60,17 +62,22 @@ def eval_draft(
 
         with _progress(output, "Evaluating", len(prompt_ids), "prompts", lines=False) as advance:
             result = evaluate_draft(loaded, draft, config, prompt_ids, max_new_tokens=max_new_tokens,
-                                    num_candidates=num_candidates, batch_size=batch_size,
+                                    num_candidates=num_candidates, batch_size=batch_size, draft_vocab=draft_vocab,
                                     on_progress=lambda done, total: advance(done))
         summary: dict[str, Any] = {"checkpoint": str(checkpoint), "target": str(target_dir), "dataset": dataset,
-                                   "kind": config.kind, "block_size": config.draft_block_size, **result.to_json()}
+                                   "kind": config.kind, "block_size": config.draft_block_size,
+                                   "draft_vocab_size": len(draft_vocab) if draft_vocab is not None else None, **result.to_json()}
         if json_output:
             output.json(summary)
             return
         acceptance = " ".join(f"{a:.2f}" for a in result.acceptance_by_position)
         output.data(f"{config.kind} draft {checkpoint} on {dataset} ({len(prompt_ids)} prompts, {max_new_tokens} new tokens, "
-                    f"{result.num_candidates} candidates): tau {result.mean_accepted_length:.3f} over {result.steps} steps")
+                    f"{result.num_candidates} candidates{_vocab_note(draft_vocab)}): tau {result.mean_accepted_length:.3f} over {result.steps} steps")
         output.data(f"acceptance by position: {acceptance}")
+
+
+def _vocab_note(draft_vocab: list[int] | None) -> str:
+    return f", {len(draft_vocab)}-token draft vocabulary" if draft_vocab is not None else ""
 
 
 def _default_target(output: Output) -> Path:

@@ -54,6 +54,7 @@ def train(
     data: Annotated[Optional[list[Path]], typer.Option("--data", help="Training data: JSONL of token ids with prompt_len (as --generate-data / --text-from write); repeat for several files.", show_default=False)] = None,
     generate_data: Annotated[Optional[int], typer.Option("--generate-data", help=f"Answer N built-in (or --prompts) prompts with the target first (default: {DEFAULT_PROMPTS} when --data is not given).", show_default=False)] = None,
     prompts: Annotated[Optional[Path], typer.Option("--prompts", help="Prompts for --generate-data: a text file (one per line) or JSONL with \"prompt\".", show_default=False)] = None,
+    self_instruct: Annotated[Optional[int], typer.Option("--self-instruct", min=1, help="For --generate-data: N requests written by the target itself (it continues its chat template at a user turn, sampled; Magpie) instead of the built-in prompts; kept in OUTPUT_DIR/self_instruct_prompts.txt. --gen-time-limit also bounds the writing.", show_default=False)] = None,
     save_data: Annotated[Optional[Path], typer.Option("--save-data", help=f"Where generated data goes (default: OUTPUT_DIR/{DATA_FILE}).", show_default=False)] = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Longest generated response.")] = 256,
     gen_batch_size: Annotated[Optional[int], typer.Option("--gen-batch-size", help="Prompts per generate call (default: 256 on cuda, 8 on cpu).", show_default=False)] = None,
@@ -153,8 +154,11 @@ def _check_data_options(o: SimpleNamespace) -> None:
     """Refuse data options that contradict each other."""
     from dflash.core.errors import InputError
 
-    if o.data is not None and (o.generate_data is not None or o.prompts is not None or o.text_from):
-        raise InputError("--data cannot be combined with --generate-data, --prompts or --text-from", hint="pick one data source")
+    if o.self_instruct is not None and o.prompts is not None:
+        raise InputError("--self-instruct and --prompts both say where the prompts come from", hint="give one of them")
+    if o.data is not None and (o.generate_data is not None or o.prompts is not None or o.text_from or o.self_instruct):
+        raise InputError("--data cannot be combined with --generate-data, --prompts, --self-instruct or --text-from",
+                         hint="pick one data source")
     if o.data_only and o.data is not None:
         raise InputError("--data-only generates data; it cannot be combined with --data", hint="drop --data")
     if o.text_from and not o.data_only:
@@ -209,7 +213,18 @@ def _generated_data(o: SimpleNamespace, loaded, torch_device, exclude, output: O
     from dflash.training.data import builtin_prompts, generate_dataset, read_prompts
 
     path = o.save_data or o.output_dir / DATA_FILE
-    prompt_list = read_prompts(o.prompts) if o.prompts else builtin_prompts()
+    if o.self_instruct:
+        from dflash.training.prompts import self_instruct_prompts
+
+        with output.status(f"Writing {o.self_instruct} requests with the target (self-instruct)"):
+            prompt_list = self_instruct_prompts(loaded, o.self_instruct, seed=o.seed, time_limit_s=o.gen_time_limit,
+                                                batch_size=o.gen_batch_size or (1024 if torch_device.type == "cuda" else 8))
+        o.output_dir.mkdir(parents=True, exist_ok=True)
+        (o.output_dir / "self_instruct_prompts.txt").write_text("".join(p + "\n" for p in prompt_list))
+        summary["self_instruct"] = {"requests": len(prompt_list), "asked": o.self_instruct}
+        output.success(f"{len(prompt_list)} self-instructed requests")
+    else:
+        prompt_list = read_prompts(o.prompts) if o.prompts else builtin_prompts()
     prompt_list = prompt_list[: o.generate_data or DEFAULT_PROMPTS]
     with _progress(output, "Generating answers", len(prompt_list), "prompts", lines=True) as advance:
         stats = generate_dataset(

@@ -223,35 +223,83 @@ def test_replay_counts_like_the_engine():
     assert steps == 2 and drafted == [2, 2, 1] and accepted == [2, 2, 0]
 
 
-def test_eval_draft_agrees_with_the_engine_under_f32(root, target_src, target, examples, tiny_target_fp16):
-    """`evaluate_draft` (PyTorch) and the engine's counters on the same prompts: tau and every position."""
+@pytest.fixture(scope="module")
+def eval_checkpoint(root, target, examples) -> Path:
+    options = _options(steps=40, loss="ce", save_dtype="float16")  # fp16 weights: the export holds the same values
+    train_draft(target, examples, root / "eval_ckpt", options)
+    return root / "eval_ckpt"
+
+
+EVAL_PROMPTS = builtin_prompts(12)[8:12]  # prompts the eval checkpoint never trained on
+EVAL_NEW_TOKENS = 20
+
+
+def _pytorch(checkpoint: Path, target_src: Path, **eval_kwargs):
+    """The PyTorch evaluation of `checkpoint` on EVAL_PROMPTS with the exported target's fp16 weights in f32."""
+    from dflash.core.tokenization import tokenize_prompt
+
+    fp16_target = load_target(target_src, CPU)
+    fp16_target.model.half().float()  # the exported target's fp16-rounded weights, computed in f32
+    draft, config = load_trained_draft(checkpoint, CPU)
+    prompt_ids = [tokenize_prompt(fp16_target.tokenizer, p, chat=True)[1] for p in EVAL_PROMPTS]
+    return evaluate_draft(fp16_target, draft, config, prompt_ids, max_new_tokens=EVAL_NEW_TOKENS, **eval_kwargs)
+
+
+def _engine_and_pytorch(checkpoint: Path, export_dir: Path, target_src: Path, target_ov: Path, **eval_kwargs):
+    """(engine stats, PyTorch evaluation) of `checkpoint` on EVAL_PROMPTS, under f32."""
     from dflash.core.config import EXACT_OV_CONFIG, SamplingParams
     from dflash.core.engine import EngineConfig, LLMEngine
     from dflash.core.metrics import SpecDecodingStats
-    from dflash.core.tokenization import tokenize_prompt
     from dflash.exporters.draft import export_draft
 
-    options = _options(steps=40, loss="ce", save_dtype="float16")  # fp16 weights: the export holds the same values
-    train_draft(target, examples, root / "eval_ckpt", options)
-    target_ov = tiny_target_fp16
-    draft_ov = export_draft(root / "eval_ckpt", root / "eval_draft_ov", weight_format="fp16", target_hidden_size=64)
-
-    prompts = builtin_prompts(12)[8:12]  # prompts the draft never trained on
-    new_tokens = 20
+    draft_ov = export_draft(checkpoint, export_dir, weight_format="fp16", target_hidden_size=64)
+    prompts, new_tokens = EVAL_PROMPTS, EVAL_NEW_TOKENS
     engine = LLMEngine(target_ov, EngineConfig(ov_config=EXACT_OV_CONFIG), draft_dir=draft_ov)
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, num_assistant_tokens_schedule="constant")
     direct = SpecDecodingStats()
     for prompt in prompts:
         (result,) = engine.generate([prompt], params, chat=True)
         direct.merge(result.spec)
+    return direct, _pytorch(checkpoint, target_src, **eval_kwargs)
 
-    fp16_target = load_target(target_src, CPU)
-    fp16_target.model.half().float()  # the exported target's fp16-rounded weights, computed in f32
-    draft, config = load_trained_draft(root / "eval_ckpt", CPU)
-    prompt_ids = [tokenize_prompt(fp16_target.tokenizer, p, chat=True)[1] for p in prompts]
-    mine = evaluate_draft(fp16_target, draft, config, prompt_ids, max_new_tokens=new_tokens)
+
+def _assert_agree(direct, mine) -> None:
     engine_acceptance = direct.acceptance_by_position
     assert direct.num_accepted_tokens > 0  # the draft accepts something: the comparison is not vacuous
     assert mine.mean_accepted_length == pytest.approx(direct.mean_accepted_length, abs=0.05)
     for position in range(min(4, len(engine_acceptance))):
         assert mine.acceptance_by_position[position] == pytest.approx(engine_acceptance[position], abs=0.05)
+
+
+def test_eval_draft_agrees_with_the_engine_under_f32(root, target_src, eval_checkpoint, tiny_target_fp16):
+    """`evaluate_draft` (PyTorch) and the engine's counters on the same prompts: tau and every position."""
+    direct, mine = _engine_and_pytorch(eval_checkpoint, root / "eval_draft_ov", target_src, tiny_target_fp16)
+    _assert_agree(direct, mine)
+
+
+def test_eval_draft_proposes_only_the_draft_vocabulary_as_the_export(root, target_src, eval_checkpoint, examples,
+                                                                       tiny_target_fp16):
+    """A checkpoint with a draft_vocab.json: the export proposes only its tokens, and so does the PyTorch
+    evaluation (load_draft_vocab, the export's rule); both agree, and the cut is not a no-op."""
+    import shutil
+
+    from dflash.exporters.draft import DRAFT_VOCAB_FILE
+    from dflash.training.evaluate import load_draft_vocab
+    from dflash.training.vocab import count_tokens, rank_tokens
+
+    checkpoint = root / "eval_ckpt_vocab"
+    shutil.copytree(eval_checkpoint, checkpoint)
+    counts = count_tokens((e.input_ids[e.prompt_len:] for e in examples), 512)
+    ranking = rank_tokens(counts).tolist()
+    # The most frequent answer token left out: a draft that proposed it must now propose something else.
+    ranking = ranking[1:] + ranking[:1]
+    (checkpoint / DRAFT_VOCAB_FILE).write_text(json.dumps({"ranking": ranking, "vocab_size": 512, "size": 200}))
+    vocab = load_draft_vocab(checkpoint)
+    assert vocab == ranking[:200]
+    assert load_draft_vocab(checkpoint, 0) is None
+
+    direct, mine = _engine_and_pytorch(checkpoint, root / "eval_draft_vocab_ov", target_src, tiny_target_fp16,
+                                       draft_vocab=vocab)
+    _assert_agree(direct, mine)
+    whole = _pytorch(checkpoint, target_src)  # the same checkpoint, every token
+    assert whole.accepted_per_position != mine.accepted_per_position  # the vocabulary changed what is proposed

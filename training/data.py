@@ -126,8 +126,13 @@ def generate_responses(
     temperature: float = 0.0,
     ignore_eos: bool = False,
     generator: torch.Generator | None = None,
+    impl: str = "auto",
 ) -> list[tuple[list[int], bool]]:
     """Greedy answers of one batch of left-padded prompts; returns (response, finished) per prompt.
+
+    `impl`: "static" decodes over a preallocated KV cache (fastgen.py: the fast path on a GPU), "hf"
+    through transformers' forward and cache (below); "auto" takes "static" on cuda for a target it
+    supports.
 
     A plain decoding loop over the model's KV cache rather than `generate`: the same greedy tokens,
     but "is every row finished?" is asked only every `check_every` steps, so the host does not wait
@@ -136,7 +141,14 @@ def generate_responses(
     every response runs to `max_new_tokens`, as `dflash bench` decodes. `temperature` > 0 samples
     (diverse answers to the same prompt; the trainer's labels stay the target's own argmax).
     """
+    from .fastgen import static_generate, supports_static_decoding
+
     pad = pad_token_id(target)
+    if impl == "auto":
+        impl = "static" if target.device.type == "cuda" and supports_static_decoding(target.model) else "hf"
+    if impl == "static":
+        return static_generate(target.model, prompt_ids, max_new_tokens, pad_id=pad, stop_ids=sorted(stop_token_ids(target)),
+                               temperature=temperature, ignore_eos=ignore_eos, generator=generator, check_every=check_every)
     stops = torch.tensor(sorted(stop_token_ids(target)), device=target.device)
     width = max(len(ids) for ids in prompt_ids)
     input_ids = torch.full((len(prompt_ids), width), pad, dtype=torch.long)

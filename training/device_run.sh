@@ -20,7 +20,9 @@
 # then its stubs for GREEDY_S seconds (GEN_S / 2), then N sampled passes over its chat prompts, then its stubs),
 # STUB_LIMIT (function stubs to answer, 40000), STUB_FILES (files they come from, 4000), TEXT_TOKENS (real
 # text/code tokens, 6000000), TOTAL_TRAIN_S (the schedule's length in training seconds, summed over calls, 680),
-# MARKOV_RANK (32), BATCH (16), ANCHORS (64); for a dry run elsewhere: PY (python3), DEVICE (cuda), PYROOT (where
+# SELF_INSTRUCT (0: none; N > 0: each generator first has the target write N requests of its own (Magpie,
+# `dflash train --self-instruct`) and answers them greedily for up to SI_S seconds (GEN_S / 2), before the passes
+# above), MARKOV_RANK (32), BATCH (16), ANCHORS (64); for a dry run elsewhere: PY (python3), DEVICE (cuda), PYROOT (where
 # the Python sources for text and stubs live).
 set -euo pipefail
 
@@ -40,6 +42,8 @@ TOTAL_TRAIN_S=${TOTAL_TRAIN_S:-680}
 CHAT_SAMPLES=${CHAT_SAMPLES:-0}
 GREEDY_S=${GREEDY_S:-$((GEN_S / 2))}
 INIT=${INIT:-}
+SELF_INSTRUCT=${SELF_INSTRUCT:-0}
+SI_S=${SI_S:-$((GEN_S / 2))}
 MARKOV_RANK=${MARKOV_RANK:-32}
 BATCH=${BATCH:-16}
 ANCHORS=${ANCHORS:-64}
@@ -95,7 +99,7 @@ EOF
 
 pack_logs() {  # always runs (trap): logs and summaries come back even when a step failed
   local status=$?
-  (cd "$DEV" && tar -czf "$OUT/logs.tar.gz" --ignore-failed-read $(ls *.log *.json */decontamination.json */training_info.json 2>/dev/null) 2>/dev/null) || true
+  (cd "$DEV" && tar -czf "$OUT/logs.tar.gz" --ignore-failed-read $(ls *.log *.json */decontamination.json */training_info.json */self_instruct_prompts.txt 2>/dev/null) 2>/dev/null) || true
   if [ $status -ne 0 ]; then
     for f in "$DEV"/*.log; do [ -f "$f" ] && { echo "== tail $f"; tail -n 15 "$f"; }; done
   fi
@@ -114,6 +118,44 @@ smoke() {
       --resume --json > "$DEV/smoke-$kind-resume.json" 2>> "$DEV/smoke-$kind.log"
   done
   report "$DEV"/smoke-*.json
+}
+
+stash_drafts() {  # the shipped drafts (tracked, 55 MB) travel in a call of their own: keep them for --init-from
+  if ls "$REPO"/exporters/default_drafts/*/model.safetensors > /dev/null 2>&1; then
+    mkdir -p "$DEV/init" && rm -rf "$DEV/init/default_drafts" && cp -r "$REPO/exporters/default_drafts" "$DEV/init/"
+    log "stashed drafts: $(ls -l "$DEV"/init/default_drafts/*/model.safetensors | awk '{print $5, $9}' | tr '\n' ' ')"
+  fi
+}
+
+fastgen_smoke() {  # the static-cache decoder on cuda: equal to transformers' loop on a tiny target, and its speed
+  # at SmolLM2-135M's shape (random weights: the speed does not depend on them), ~30 s
+  "$PY" - "$DEV" <<'EOF2'
+import sys, time, torch
+from dflash.exporters.tiny import make_tiny_target
+from dflash.training.target import load_target
+from dflash.training.data import encode_prompt, generate_responses
+from dflash.training.prompts import builtin_prompts, self_instruct_prompts
+dev = sys.argv[1]
+t = load_target(make_tiny_target(f"{dev}/tiny-llama", "llama", seed=3, initializer_range=0.2), torch.device("cuda"))
+t.model.float()
+ids = [encode_prompt(t.tokenizer, p) for p in builtin_prompts(64)]
+a, b = generate_responses(t, ids, 32, impl="hf"), generate_responses(t, ids, 32, impl="static")
+print("tiny llama f32 on cuda: static == hf for", sum(x == y for x, y in zip(a, b)), "of", len(a))
+print("self-instruct on tiny:", len(self_instruct_prompts(t, 16, batch_size=64)))
+from transformers import AutoConfig, AutoModelForCausalLM
+from dflash.training.fastgen import static_generate
+config = AutoConfig.for_model("llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                              num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, tie_word_embeddings=True)
+model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).cuda().eval()
+g = torch.Generator(device="cuda").manual_seed(0)
+for batch in (1024, 2048):
+    prompts = [[int(x) for x in torch.randint(3, 49000, (48 + i % 64,))] for i in range(batch)]
+    static_generate(model, prompts[:64], 8, pad_id=2, stop_ids=[2], ignore_eos=True)
+    torch.cuda.synchronize(); s = time.time()
+    out = static_generate(model, prompts, 128, pad_id=2, stop_ids=[2], ignore_eos=True, temperature=0.8, generator=g)
+    torch.cuda.synchronize(); e = time.time() - s
+    print(f"SmolLM2 shape, batch {batch}, 128 new tokens: {e:.1f} s, {batch * 128 / e:.0f} tokens/s, peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+EOF2
 }
 
 stash_parts() {  # keep the GGUF half (or halves) this call carries outside the checkout
@@ -180,7 +222,15 @@ EOF
   local gen_end=$(( $(date +%s) + GEN_S )) greedy_s=$GEN_S
   if [ "$CHAT_SAMPLES" -gt 0 ]; then greedy_s=$GREEDY_S; fi
   for i in $(seq 0 $((GEN_PROCS - 1))); do
-    (  # a greedy pass over the shard; the time left goes to sampled answers (T 0.8)
+    (  # self-instructed requests answered greedily; a greedy pass over the shard; the time left: sampled answers (T 0.8)
+      if [ "$SELF_INSTRUCT" -gt 0 ]; then
+        "$PY" -m dflash.cli.train "$DEV/smollm2-hf" "$DEV/gen${i}m" --data-only --self-instruct "$SELF_INSTRUCT" \
+          --generate-data 1000000 --save-data "$DEV/data${i}m.jsonl" --max-new-tokens "$MAX_NEW" --gen-batch-size "$GEN_BATCH" \
+          --gen-time-limit "$SI_S" --ignore-eos --seed "$((i + 200))" --device "$DEVICE" $bench --json > "$DEV/gen${i}m.json" 2> "$DEV/gen${i}m.log"
+        greedy_s=$(( gen_end - $(date +%s) ))
+        if [ "$CHAT_SAMPLES" -gt 0 ]; then greedy_s=$(( greedy_s * GREEDY_S / GEN_S )); fi
+        [ "$greedy_s" -gt 20 ] || greedy_s=20
+      fi
       "$PY" -m dflash.cli.train "$DEV/smollm2-hf" "$DEV/gen$i" --data-only --prompts "$DEV/prompts$i.jsonl" \
         --generate-data 1000000 --save-data "$DEV/data$i.jsonl" --max-new-tokens "$MAX_NEW" --gen-batch-size "$GEN_BATCH" \
         --gen-time-limit "$greedy_s" --ignore-eos --seed "$i" --device "$DEVICE" $bench --json > "$DEV/gen$i.json" 2> "$DEV/gen$i.log"
@@ -213,16 +263,20 @@ init_flags() {  # --init-from for draft $1 when INIT names it (`run` only: a res
   local entry
   [ "$MODE" = run ] || return 0
   for entry in $INIT; do
-    if [ "${entry%%=*}" = "$1" ]; then echo "--init-from $REPO/${entry#*=}"; fi
+    if [ "${entry%%=*}" = "$1" ]; then echo "--init-from $(init_dir "${entry#*=}")"; fi
   done
 }
 
-check_init() {  # before anything else: every INIT checkpoint must have travelled with this call
+init_dir() {  # an INIT checkpoint: in the checkout if it travelled with this call, else where `stash` kept it
+  if ls "$REPO/$1"/*.safetensors > /dev/null 2>&1; then echo "$REPO/$1"; else echo "$DEV/init/default_drafts/$(basename "$1")"; fi
+}
+
+check_init() {  # before anything else: every INIT checkpoint must be here (this call's checkout or stashed)
   local entry dir
   for entry in $INIT; do
-    dir="$REPO/${entry#*=}"
+    dir=$(init_dir "${entry#*=}")
     if [ ! -f "$dir/config.json" ] || ! ls "$dir"/*.safetensors > /dev/null 2>&1; then
-      echo "error: INIT $entry: no checkpoint at $dir (config.json and *.safetensors must travel with the call)" >&2
+      echo "error: INIT $entry: no checkpoint at $dir (config.json and *.safetensors must travel with the call or a stash call)" >&2
       exit 4
     fi
     log "init ${entry%%=*} from $(ls -l "$dir"/*.safetensors | awk '{print $5, $9}' | tr '\n' ' ')"
@@ -274,8 +328,10 @@ trap pack_logs EXIT
 case "$MODE" in
   stash)
     stash_parts
+    stash_drafts
     setup_python
     if [ "${SMOKE:-1}" = 1 ]; then smoke; fi
+    if [ "${SMOKE:-1}" = fast ]; then fastgen_smoke; fi
     ;;
   data)
     prepare_data

@@ -10,7 +10,9 @@ that equals the answer and commits it plus the bonus token, and the next step's 
 token. Per-position acceptance is then "of the steps that drafted position i, the share that accepted
 it" and tau the mean accepted length with the bonus, exactly the engine's metrics
 (`core/metrics.py`). The DSpark Markov head is fed the answer's tokens, which is what the engine's
-greedy walk feeds it wherever the prefix is still accepted.
+greedy walk feeds it wherever the prefix is still accepted. A checkpoint with a draft vocabulary
+(`draft_vocab.json`, the tokens its export may propose) is evaluated as it is exported: its candidates
+are the argmax over those tokens only (the engine's cut lm_head), unless told otherwise.
 """
 
 from __future__ import annotations
@@ -70,6 +72,14 @@ class DraftEvaluation:
         }
 
 
+def load_draft_vocab(path: str | Path, size: int | None = None) -> list[int] | None:
+    """The target token ids the checkpoint's export proposes (`dflash export`'s rule: the first `size` of its
+    `draft_vocab.json` ranking, the file's own size when None; None: the whole vocabulary)."""
+    from dflash.exporters.draft import resolve_draft_vocab
+
+    return resolve_draft_vocab(Path(path), size)
+
+
 def load_trained_draft(path: str | Path, device: torch.device) -> tuple[TrainableDraft, DraftConfig]:
     """A draft checkpoint folder (z-lab or DeepSpec layout) as a TrainableDraft in float32, eval mode."""
     config = load_draft_config(path)
@@ -84,9 +94,14 @@ def load_trained_draft(path: str | Path, device: torch.device) -> tuple[Trainabl
 
 @torch.no_grad()
 def block_predictions(
-    draft: TrainableDraft, config: DraftConfig, target: Target, sequence: torch.Tensor, first: int
+    draft: TrainableDraft, config: DraftConfig, target: Target, sequence: torch.Tensor, first: int,
+    draft_vocab: Sequence[int] | None = None,
 ) -> torch.Tensor:
-    """[positions, P] the draft's greedy predictions for blocks anchored at first .. len-2 of `sequence`."""
+    """[positions, P] the draft's greedy predictions for blocks anchored at first .. len-2 of `sequence`.
+
+    With `draft_vocab`, only those token ids are proposed: the argmax over their logits (the Markov bias
+    included), as the engine's cut lm_head computes it.
+    """
     offset = config.candidate_position_offset
     predictions = config.block_size - offset
     ids = sequence[None].to(target.device)
@@ -100,6 +115,9 @@ def block_predictions(
         width = ids.shape[1]
         previous_pos = (anchors[..., None] + torch.arange(predictions, device=target.device)).clamp(max=width - 1)
         logits = logits + draft.markov_head(ids[0, previous_pos]).float()
+    if draft_vocab is not None:
+        kept = torch.as_tensor(list(draft_vocab), dtype=torch.long, device=logits.device)
+        return kept[logits.index_select(-1, kept).argmax(-1)[0]]
     return logits.argmax(-1)[0]
 
 
@@ -140,8 +158,10 @@ def evaluate_draft(
     batch_size: int = 8,
     answers: Sequence[Sequence[int]] | None = None,
     on_progress: Callable[[int, int], None] | None = None,
+    draft_vocab: Sequence[int] | None = None,
 ) -> DraftEvaluation:
-    """Engine-style acceptance of `draft` on `prompt_ids` (token ids, chat template applied)."""
+    """Engine-style acceptance of `draft` on `prompt_ids` (token ids, chat template applied); `draft_vocab`:
+    the token ids the exported draft may propose (`load_draft_vocab`), None for all."""
     block_predictions_count = config.block_size - config.candidate_position_offset
     k = min(num_candidates or block_predictions_count, block_predictions_count)
     result = DraftEvaluation(len(prompt_ids), max_new_tokens, k, drafted_per_position=[0] * k, accepted_per_position=[0] * k)
@@ -152,7 +172,7 @@ def evaluate_draft(
             answers += [r for r, _ in generate_responses(target, batch, max_new_tokens, ignore_eos=True)]
     for index, (prompt, answer) in enumerate(zip(prompt_ids, answers)):
         sequence = torch.tensor(list(prompt) + list(answer), dtype=torch.long)
-        predictions = block_predictions(draft, config, target, sequence, len(prompt)).cpu()
+        predictions = block_predictions(draft, config, target, sequence, len(prompt), draft_vocab).cpu()
         steps, drafted, accepted = replay_engine(list(answer), predictions, k)
         result.steps += steps
         result.drafted_per_position = [a + b for a, b in zip(result.drafted_per_position, drafted)]

@@ -313,3 +313,73 @@ def _stub(node) -> str | None:
     keyword = "async def" if isinstance(node, ast.AsyncFunctionDef) else "def"
     body = "\n".join(f"    {line}" if line else "" for line in doc.splitlines())
     return f'{keyword} {node.name}({args}){returns}:\n    """{body.strip()}\n    """\n'
+
+
+# Lead-ins of a self-instructed user turn: the target writes the rest of the request. Everyday requests of
+# every kind (the chat the default pair is benchmarked on is general chat, not code).
+LEAD_INS = (
+    "", "", "", "", "How", "How do I", "How can I", "What", "What is", "What are", "Why", "Why do", "Explain",
+    "Can you explain", "Can you help me", "Could you", "Write", "Write a short", "Give me", "Suggest", "Describe",
+    "Tell me", "I need", "I want to", "I have", "I'm", "My", "Is it", "Should I", "Compare", "List", "Summarize",
+    "Help me", "Please", "Which", "When", "Where", "Who", "What's the best way to", "Do you know", "Create",
+    "Plan", "Recommend", "Translate", "Rewrite", "Is there", "What should I", "What happens when", "Teach me",
+)
+
+
+def chat_user_prefix(tokenizer) -> str:
+    """The rendered chat template up to where a user's message begins (system prompt included)."""
+    marker = "\u2063USER\u2063"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
+    return text[: text.index(marker)]
+
+
+def self_instruct_prompts(
+    target, count: int, *, batch_size: int = 1024, max_query_tokens: int = 64, temperature: float = 1.0,
+    top_k: int = 64, seed: int = 0, lead_ins: tuple[str, ...] = LEAD_INS, time_limit_s: float | None = None,
+) -> list[str]:
+    """Up to `count` distinct user requests written by the target itself (Magpie, Xu et al. 2024).
+
+    The target continues its own chat template at the start of a user turn (after a random lead-in, so
+    requests of many kinds come out), sampled, until its end-of-turn token: requests in the style the
+    model expects, as many and as varied as asked for, with no dataset. Requests cut by
+    `max_query_tokens`, shorter than three words, or holding template tokens are dropped; duplicates
+    (case and spacing folded) are kept once. Decontaminate them as any prompt (the caller does).
+    """
+    import time
+
+    import torch
+
+    from .data import pad_token_id, stop_token_ids
+    from .fastgen import static_generate
+
+    tokenizer = target.tokenizer
+    prefix = chat_user_prefix(tokenizer)
+    stops = sorted(stop_token_ids(target))
+    rng = random.Random(seed)
+    generator = torch.Generator(device=target.device).manual_seed(seed)
+    seen: set[str] = set()
+    prompts: list[str] = []
+    start = time.monotonic()
+    attempts = 0
+    while len(prompts) < count and attempts < 8 * max(1, count // batch_size + 1):
+        if time_limit_s is not None and attempts and time.monotonic() - start > time_limit_s:
+            break
+        attempts += 1
+        leads = [rng.choice(lead_ins) for _ in range(batch_size)]
+        ids = [tokenizer(prefix + lead, add_special_tokens=False)["input_ids"] for lead in leads]
+        answers = static_generate(target.model, ids, max_query_tokens, pad_id=pad_token_id(target), stop_ids=stops,
+                                  temperature=temperature, top_k=top_k, generator=generator)
+        for lead, (tokens, finished) in zip(leads, answers):
+            if not finished:
+                continue
+            body = tokenizer.decode([t for t in tokens if t not in stops], skip_special_tokens=False)
+            text = " ".join((lead + body).split())  # the body continues the lead-in's text as tokenized
+            if len(text.split()) < 3 or "<|" in text or "|>" in text:
+                continue
+            key = text.lower()
+            if key not in seen:
+                seen.add(key)
+                prompts.append(text)
+                if len(prompts) == count:
+                    break
+    return prompts
