@@ -44,7 +44,7 @@ from .request import Request, RequestStatus
 from .sampler import Sampler
 from .scheduler import Scheduler, SchedulerOutput
 from .stopping import StopChecker
-from .tokenization import Prompt, load_tokenizer, stop_token_ids_of, tokenize_prompt
+from .tokenization import Prompt, stop_token_ids_of, tokenize_prompt
 from .verification import Verdict, accept_greedy, accept_sampled, cut_at_stop
 
 __all__ = ["EngineConfig", "GenerationResult", "LLMEngine", "RequestOutput"]
@@ -58,8 +58,8 @@ class LLMEngine:
     ):
         self.config = config or EngineConfig()
         self.model_dir = Path(model_dir)
-        self.tokenizer = load_tokenizer(self.model_dir)
         pipelines = load_pipelines(self.model_dir, draft_dir, self.config)
+        self.tokenizer = pipelines.tokenizer
         self.runner, self.drafter, self.kv_cache_manager = pipelines.runner, pipelines.drafter, pipelines.kv_cache_manager
         self.block_pool = self.kv_cache_manager.pool
         model_config = pipelines.model_config

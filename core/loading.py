@@ -22,6 +22,7 @@ from .markov import load_markov_head
 from .model_runner import TargetRunner, read_ov_model
 from .speculative import DFlashDrafter
 from .state_pool import StatePool
+from .tokenization import load_tokenizer
 
 
 @dataclass
@@ -32,6 +33,7 @@ class Pipelines:
     kv_cache_manager: KVCacheManager
     drafter: DFlashDrafter | NoDrafter
     model_config: dict  # the target's config.json ({} if unreadable)
+    tokenizer: object  # the target's (core/tokenization.load_tokenizer)
 
 
 def load_pipelines(model_dir: Path, draft_dir: str | Path | None, config: EngineConfig) -> Pipelines:
@@ -43,12 +45,12 @@ def load_pipelines(model_dir: Path, draft_dir: str | Path | None, config: Engine
         markov = load_markov_head(draft_dir, draft_model, device=config.device, ov_config=config.ov_config,
                                   vocab_size=model_config.get("vocab_size"))  # fmt: skip
     metadata = read_draft_metadata(draft_model) if draft_model is not None else None
-    # The draft is prepared and compiled on a second thread while the target is (OpenVINO releases the
-    # GIL while it transforms and compiles): a later run's start is mostly these two compilations.
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        draft_runner = None if draft_model is None else pool.submit(
-            DraftRunner, draft_model, model_dir, device=config.device, ov_config=config.ov_config
-        )  # fmt: skip
+    # The draft is prepared and compiled, and the tokenizer read, on other threads while the target is
+    # (OpenVINO releases the GIL while it transforms and compiles): a later run's start is mostly these
+    # two compilations.
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        tokenizer = pool.submit(load_tokenizer, model_dir)
+        draft_runner = None if draft_model is None else pool.submit(_compiled_draft, draft_model, model_dir, config)
         runner = TargetRunner(
             model_dir,
             device=config.device,
@@ -61,20 +63,29 @@ def load_pipelines(model_dir: Path, draft_dir: str | Path | None, config: Engine
         else:
             kv_cache_manager = _make_kv_cache(runner, config, draft=False)
         draft_runner = None if draft_runner is None else draft_runner.result()
+        tokenizer = tokenizer.result()
     drafter: DFlashDrafter | NoDrafter = NoDrafter()
     if draft_runner is not None:
         drafter = DFlashDrafter(draft_runner, _make_kv_cache(draft_runner, config, draft=True),
                                 markov=markov, markov_top_k=config.markov_head_top_k,
                                 proposals=config.draft_proposals)  # fmt: skip
-    return Pipelines(runner, kv_cache_manager, drafter, model_config)
+    return Pipelines(runner, kv_cache_manager, drafter, model_config, tokenizer)
+
+
+def _compiled_draft(draft_model, model_dir: Path, config: EngineConfig) -> DraftRunner:
+    """The draft runner with its KV caches allocated (zeroing them is a tenth of a second or more):
+    all of it on the loading thread, beside the target's compilation."""
+    runner = DraftRunner(draft_model, model_dir, device=config.device, ov_config=config.ov_config)
+    runner.allocate_cache(config.cache_config(runner.kv_block_size, draft=True).resolve_num_blocks(runner.bytes_per_block))
+    return runner
 
 
 def _make_kv_cache(runner, config: EngineConfig, *, draft: bool) -> KVCacheManager:
-    """A block pool sized as the config says, the runner's caches allocated to match."""
+    """A block pool sized as the config says, the runner's caches allocated to match (unless they are)."""
     cache = config.cache_config(runner.kv_block_size, draft=draft)
-    num_blocks = cache.resolve_num_blocks(runner.bytes_per_block)
-    runner.allocate_cache(num_blocks)
-    return KVCacheManager(BlockPool(num_blocks, cache.kv_block_size, cache.enable_prefix_caching))
+    if not runner.num_blocks:
+        runner.allocate_cache(cache.resolve_num_blocks(runner.bytes_per_block))
+    return KVCacheManager(BlockPool(runner.num_blocks, cache.kv_block_size, cache.enable_prefix_caching))
 
 
 def _without_prefix_caching(config: EngineConfig) -> EngineConfig:
