@@ -23,6 +23,7 @@ import torch
 
 from dflash.core.errors import InputError
 
+from .fastgen import cut_at_stops
 from .prompts import builtin_prompts, read_prompts  # noqa: F401 - the prompt sources, re-exported
 from .target import Target
 
@@ -184,15 +185,7 @@ def generate_responses(
             input_ids=token[:, None], attention_mask=attention_mask, position_ids=positions,
             past_key_values=out.past_key_values, use_cache=True,
         )
-    stop_set = set(stops.tolist())
-    responses = []
-    for row in torch.stack(tokens, dim=1).tolist():
-        end = next((i for i, token in enumerate(row) if token in stop_set), None)
-        if ignore_eos:
-            responses.append((row, end is not None))
-        else:
-            responses.append((row if end is None else row[: end + 1], end is not None))
-    return responses
+    return cut_at_stops(tokens, stops, ignore_eos)
 
 
 def generate_dataset(

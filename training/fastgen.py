@@ -174,6 +174,12 @@ def static_generate(
         valid[:, width + step] = True
         logits = decoder.forward(token[:, None], position, width + step, valid[:, None, : width + step + 1])
         position = position + 1
+    return cut_at_stops(tokens, stops, ignore_eos)
+
+
+def cut_at_stops(tokens: list[torch.Tensor], stops: torch.Tensor, ignore_eos: bool) -> list[tuple[list[int], bool]]:
+    """(response ids, whether a stop token came) per row of the generated columns `tokens`: each row
+    cut after its first stop token, or kept whole with ignore_eos."""
     stop_set = set(stops.tolist())
     responses = []
     for row in torch.stack(tokens, dim=1).tolist():
