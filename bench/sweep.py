@@ -164,7 +164,8 @@ class _SettingRun:
 
     @staticmethod
     def joined(waves: list[_SettingRun]) -> _SettingRun:
-        """The waves of one round as one run: results in prompt order, times and counts summed."""
+        """Runs as one (the waves of a round, or the rounds of a setting): results in order, times and
+        counts summed."""
         times = StepTimes()
         for wave in waves:
             times = times + wave.times
@@ -306,10 +307,8 @@ def _run_setting(engine, token_prompts: list[list[int]], options: BenchOptions, 
 def _summarize(setting: _Setting, runs: list[_SettingRun], ratios: list[float]) -> SettingResult:
     """One setting's figures over its runs: throughput and latency over every request of every round,
     the speedup as the median of the per-round ratios (with their range)."""
-    results = [r for run in runs for r in run.results]
-    times = StepTimes()
-    for run in runs:
-        times = times + run.times
+    total_run = _SettingRun.joined(runs)  # every round's results, times and decisions added up
+    results, times = total_run.results, total_run.times
     speculative = setting.kind == "speculative"
     spec = None
     if speculative:
@@ -318,9 +317,9 @@ def _summarize(setting: _Setting, runs: list[_SettingRun], ratios: list[float]) 
             if result.spec is not None:
                 total.merge(result.spec)
         spec = total.to_json()
-    decisions = sum(run.decisions[0] for run in runs)
+    decisions, drafting = total_run.decisions
     num_tokens = sum(r.num_generated_tokens for r in results)
-    wall_s = sum(run.wall_s for run in runs)
+    wall_s = total_run.wall_s
     return SettingResult(
         name=setting.name,
         kind=setting.kind,
@@ -342,7 +341,7 @@ def _summarize(setting: _Setting, runs: list[_SettingRun], ratios: list[float]) 
         target_share=_ratio(times.target_s, times.step_s),
         draft_share=_ratio(times.draft_s, times.step_s) if speculative else None,
         host_share=times.host_share,
-        drafting_share=sum(run.decisions[1] for run in runs) / decisions if speculative and decisions else None,
+        drafting_share=drafting / decisions if speculative and decisions else None,
         agreement=None,
         rounds=len(runs),
         speedup_range=[min(ratios), max(ratios)] if ratios else None,

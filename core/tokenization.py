@@ -53,8 +53,8 @@ class JsonTokenizer:
     def __init__(self, tokenizer, config: dict, chat_template: str | None):
         self._tokenizer = tokenizer
         self.chat_template = chat_template
-        self._special_tokens = {key: _token_text(config.get(key)) for key in _SPECIAL_TOKEN_KEYS}
-        self._special_tokens = {key: text for key, text in self._special_tokens.items() if text is not None}
+        texts = {key: _token_text(config.get(key)) for key in _SPECIAL_TOKEN_KEYS}
+        self._special_tokens = {key: text for key, text in texts.items() if text is not None}
         self._template = None
 
     @classmethod
