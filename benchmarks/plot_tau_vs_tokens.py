@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("output")
     parser.add_argument("--run", action="append", required=True, help="KIND=INFO1,INFO2,... (a chain of runs)")
     parser.add_argument("--engine", action="append", default=[], help="KIND:LABEL:TAU1,TAU2,... (one per run)")
+    parser.add_argument("--run-names", help="NAME1,NAME2,... of the chained runs in the legend (default 1, 2, ...)")
     args = parser.parse_args(argv)
 
     import matplotlib
@@ -54,9 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     for ax, spec in zip(axes[0], args.run):
         kind, paths = spec.split("=", 1)
         runs = chain(paths.split(","))
+        names = args.run_names.split(",") if args.run_names else [str(i + 1) for i in range(len(runs))]
         for index, (xs, ys, end) in enumerate(runs):
             ax.plot([x / 1e6 for x in xs], ys, "-", color=f"C{index}", alpha=0.8,
-                    label=f"run {index + 1}: held-out tau (its own split)")
+                    label=f"run {names[index]}: held-out tau (its own split)")
             ax.axvline(end / 1e6, color="grey", lw=0.5, ls=":")
         for number, engine in enumerate(e for e in args.engine if e.split(":", 1)[0] == kind):
             _, label, values = engine.split(":", 2)
