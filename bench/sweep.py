@@ -181,6 +181,7 @@ def _sweep(options: BenchOptions, config, report: BenchReport, progress: BenchPr
     both); the speedup is the median of the per-round ratios."""
     engines = _load_engines(options, config, progress)
     first = next(iter(engines.values()))
+    report.environment["target_precision"] = first.runner.precision
     encoded = [tokenize_prompt(first.tokenizer, p, chat=_use_chat(first, options.chat)) for p in options.prompts]
     report.prompts = [text for text, _ in encoded]
     token_prompts = [ids for _, ids in encoded]
@@ -409,7 +410,8 @@ def _warn_disagreement(result: SettingResult, exact: bool, progress: BenchProgre
     else:
         progress.warning(
             f"{result.name}: {agreement.identical}/{agreement.compared} outputs identical to the baseline "
-            f"(median first divergence at token {agreement.median_first_divergence:g}; bf16 outputs drift with the batch)"
+            f"(median first divergence at token {agreement.median_first_divergence:g}; outputs drift with the batch "
+            "unless inference is f32)"
         )
 
 

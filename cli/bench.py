@@ -418,20 +418,25 @@ def _print_tables(report, output: Output) -> None:
     output.data(acceptance)
     output.data("[dim]tau: mean accepted length (tokens per draft step, the target's own token included); acc: share "
                 "of candidates accepted; =base: outputs identical to the baseline's; 1st diff: median index of the "
-                f"first differing token of those that differ. {_AGREEMENT[report.exact]}[/dim]\n")  # fmt: skip
+                f"first differing token of those that differ. {_agreement_note(report)}[/dim]\n")  # fmt: skip
     output.data(shares)
     output.data("[dim]drafting: share of request steps that drafted; target, draft: share of the step time spent "
                 "in the target's and in the draft's inference[/dim]\n")  # fmt: skip
     output.data(positions)
 
 
-_AGREEMENT = {
-    True: "f32 inference: every output must equal the baseline's.",
-    False: "bf16 inference (the CPU default): outputs can part from the baseline's at a near-tie, from the first "
-    "token on, because the target compiled with the hidden-state outputs the draft reads is a slightly different "
-    "bf16 program than the target alone, and a row's bf16 logits depend on how many rows share a step; with "
-    "--ov-config INFERENCE_PRECISION_HINT=f32 --ov-config KV_CACHE_PRECISION=f32 they are identical.",
-}
+def _agreement_note(report) -> str:
+    """What agreement with the baseline means at the precision the target was compiled with."""
+    if report.exact:
+        return "f32 inference: every output must equal the baseline's."
+    compiled = report.environment.get("target_precision") or "the CPU's default precisions"
+    return (
+        f"Compiled as {compiled} (OpenVINO's defaults on this CPU; bf16 where it has bf16 units): outputs can part "
+        "from the baseline's at a near-tie, from the first token on, because the target compiled with the "
+        "hidden-state outputs the draft reads is a slightly different program than the target alone, and a row's "
+        "logits depend on how many rows share a step (quantized KV cache and activations, bf16); with --ov-config "
+        "INFERENCE_PRECISION_HINT=f32 --ov-config KV_CACHE_PRECISION=f32 they are identical."
+    )
 
 
 def _write_json(report, path: Path) -> None:

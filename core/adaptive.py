@@ -8,7 +8,8 @@ one too):
     seconds = T(n + sum_r k_r) + [any k_r > 0] * D(draft rows)
 
 T and D are fitted on this engine's own measured steps (host work included): T = fixed + per row,
-over generation steps of the target; D = fixed + per context row + per block row + per candidate
+over generation steps of the target that verified candidates (not drafting is priced on the steps
+that verified none, measured per row count); D = fixed + per context row + per block row + per candidate
 row, over the draft's steps (a context row only writes the draft's keys and values, a block row
 runs every layer, and a candidate row also runs the vocabulary-wide lm_head, most of a small
 draft's cost). The draft's fixed cost (one more inference per step) is paid once, by the whole step,
@@ -16,7 +17,8 @@ as soon as one request drafts, so the choice is made jointly: every (request, po
 sorted by q, and the prefix of slots with the highest tokens / seconds is drafted if it beats not
 drafting by `min_gain` (5%: the fits and estimates are noisy), which may be none (zero candidates:
 the draft does not run this step at all; committed rows wait in the request's ledger and are caught
-up in one packed pass when it drafts again, a cost charged to its first candidate).
+up in one packed pass when it drafts again, a cost charged to its first candidate and spread over
+the steps the request can still draft: the catch-up serves them all).
 
 q_r(i) is per request, so one request whose draft fails does not stop the others: decayed counts of
 its own verifications (recent steps weigh more: acceptance changes along a response), shrunk towards
@@ -216,6 +218,17 @@ class Candidate:
     req_id: str
     cap: int  # at most this many candidates (num_assistant_tokens, the draft's block)
     num_pending_rows: int = 0  # committed rows the draft has not read yet (paid when it runs)
+    num_remaining_tokens: int = 0  # tokens the request may still generate (0: unknown, the catch-up is paid whole)
+
+    def catch_up_share(self, q: Sequence[float]) -> float:
+        """The share of the pending rows' cost one step is charged: a catch-up is paid once and then
+        serves every later step of the request (its prompt, for a request that has not drafted yet),
+        so it is spread over the steps the request can still draft, each expected to bring 1 + sum(q)
+        tokens. Charged whole in one step, a new request's prompt (100+ context rows) outweighed any
+        one step's gain, so it never drafted and its pending rows only grew (HumanEval at c=1 drafted
+        in 37% of request steps and reached 1.12x where 3 candidates every step gave 1.44x)."""
+        steps = self.num_remaining_tokens / (1.0 + sum(q))
+        return 1.0 / max(steps, 1.0)
 
 
 @dataclass
@@ -236,7 +249,7 @@ class AdaptiveSchedule:
     probe_candidates: int = 2
     probe_budget: float = 0.02  # the share of a paused request's time its probes may lose, on expectation
     min_gain: float = 0.05
-    target_cost: LinearCost = field(default_factory=LinearCost)  # seconds over rows
+    target_cost: LinearCost = field(default_factory=LinearCost)  # seconds over rows, of steps that verified candidates
     # over (context rows, block rows, candidate rows)
     draft_cost: LinearCost = field(default_factory=lambda: LinearCost(num_counts=3))
 
@@ -248,6 +261,7 @@ class AdaptiveSchedule:
         self._prior: list[float] = []
         self._weight = self.prior_weight
         self._num_steps = 0
+        self._plain_seconds: dict[int, float] = {}  # rows -> seconds of steps that verified no candidate
         self.num_decisions = 0  # (request, step) decisions made
         self.num_drafting = 0  # of them, with at least one candidate
 
@@ -257,9 +271,24 @@ class AdaptiveSchedule:
         self.engine_wide.observe(num_drafted, num_accepted)
         self._state(req_id).counts.observe(num_drafted, num_accepted)
 
-    def observe_target(self, rows: int, seconds: float) -> None:
-        """A generation step of the target (no prompt chunk in it): its rows and seconds."""
-        self.target_cost.observe(rows, seconds)
+    def observe_target(self, rows: int, seconds: float, verified_candidates: bool = True) -> None:
+        """A generation step of the target (no prompt chunk in it): its rows and seconds.
+
+        Steps that verified candidates fit the line the drafting options are priced on; steps that
+        verified none are kept apart, per row count (a running mean), and price not drafting. One line
+        through both misjudged both on a CPU where a step of one row per request runs another, cheaper
+        kernel than a step of two or more (AVX2, f32: 12 ms for one row, 17 for two, then 2-3 ms a row;
+        a line through them charged 3.9 ms for each candidate row)."""
+        if verified_candidates:
+            self.target_cost.observe(rows, seconds)
+        else:
+            before = self._plain_seconds.get(rows)
+            self._plain_seconds[rows] = seconds if before is None else before + 0.1 * (seconds - before)
+
+    def plain_step_seconds(self, rows: int) -> float:
+        """Seconds of a target step of `rows` rows that verifies no candidate: measured, or from the line."""
+        measured = self._plain_seconds.get(rows)
+        return measured if measured is not None else self.target_cost.seconds(rows)
 
     def observe_draft(self, context_rows: int, block_rows: int, candidate_rows: int, seconds: float) -> None:
         """A draft step: its context rows, block rows and candidate rows (among the block rows), and seconds."""
@@ -348,9 +377,10 @@ class AdaptiveSchedule:
         runs_anyway = draft_seconds() if context_rows or block_rows else 0.0
         # Drafting must promise `min_gain` more tokens per second than not drafting: the fits and the
         # estimates are noisy, and a wrong "draft" costs more than a wrong "wait" (probes correct that).
-        best_rate = num_generating / (t_fixed + t_row * num_generating + runs_anyway) * (1 + self.min_gain)
+        best_rate = num_generating / (self.plain_step_seconds(num_generating) + runs_anyway) * (1 + self.min_gain)
         ks = {c.req_id: 0 for c in candidates}
         estimates = [(self.estimate(c.req_id, c.cap), c) for c in candidates]
+        catch_up = {c.req_id: c.num_pending_rows * c.catch_up_share(q) for q, c in estimates}
         top = max(q[0] if q else 0.0 for q, _ in estimates)
         if top <= 0 or (cheapest > 0 and top / cheapest <= best_rate):
             return ks  # not even the likeliest candidate pays (most steps of a paused batch): no sort
@@ -365,9 +395,9 @@ class AdaptiveSchedule:
             block_rows += 1
             draft_candidates += 1
             if c.req_id not in drafting:  # its first candidate: its block's other rows, and the
-                drafting.add(c.req_id)  # committed rows it has not read yet (caught up now)
-                block_rows += offset
-                context_rows += c.num_pending_rows
+                drafting.add(c.req_id)  # committed rows it has not read yet (caught up now, spread over
+                block_rows += offset  # the steps the catch-up serves)
+                context_rows += catch_up[c.req_id]
             seconds = t_fixed + t_row * rows + draft_seconds()
             if tokens / seconds > best_rate:
                 best_rate, best_len = tokens / seconds, length
@@ -404,12 +434,14 @@ class AdaptiveSchedule:
         costing a share of the step), probes that accept little cost more than they find and wait
         longer (measured: chat prompts at c=16 lost 15% while drafting 4% of request steps, mostly
         probes of two candidates)."""
-        t_fixed, t_row = self.target_cost.fit()
+        _, t_row = self.target_cost.fit()
         d_fixed, d_context, d_block, d_candidate = self.draft_cost.fit()
         k = min(c.cap, self.probe_candidates)
-        per_request = (t_fixed + t_row * num_generating) / max(num_generating, 1)  # seconds a request-step
-        cost = t_row * k + d_fixed + d_context * c.num_pending_rows + d_block * (k + offset) + d_candidate * k
-        loss = cost - sum(self.estimate(c.req_id, c.cap)[:k]) * per_request
+        per_request = self.plain_step_seconds(num_generating) / max(num_generating, 1)  # seconds a request-step
+        q = self.estimate(c.req_id, c.cap)
+        catch_up = c.num_pending_rows * c.catch_up_share(q)
+        cost = t_row * k + d_fixed + d_context * catch_up + d_block * (k + offset) + d_candidate * k
+        loss = cost - sum(q[:k]) * per_request
         steps = loss / (self.probe_budget * per_request) if per_request > 0 else 0.0
         return 1 << min(max(int(np.ceil(np.log2(steps))), 0), int(np.log2(4 * self.max_probe_after))) if steps > 1 else 1
 

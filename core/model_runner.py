@@ -106,6 +106,12 @@ class PagedModel:
     def bytes_per_block(self) -> int:
         return self.layout.bytes_per_block
 
+    @property
+    def precision(self) -> str:
+        """What the plugin compiled, read back (never assumed): e.g. "f32 inference, u8 KV cache"."""
+        inference = self.compiled.get_property("INFERENCE_PRECISION_HINT")
+        return f"{inference.to_string()} inference, {self.layout.layers[0].key_type.to_string()} KV cache"
+
     def allocate_cache(self, num_blocks: int) -> None:
         """Allocate the KV caches once; the plugin writes into them in place."""
         for name, tensor in allocate_kv_caches(self.layout, num_blocks).items():

@@ -168,7 +168,8 @@ class DFlashDrafter:
         seconds = time.perf_counter() - start
         self.seconds += seconds
         if target_step.is_generation:
-            self.adaptive.observe_target(target_step.num_rows, target_step.seconds)
+            verified = any(v.num_drafted for v in target_step.verdicts.values())
+            self.adaptive.observe_target(target_step.num_rows, target_step.seconds, verified)
         if windows:
             self.stats.num_draft_steps += 1
             self.adaptive.observe_draft(sum(w.num_context for w in windows), sum(w.num_block_rows for w in windows),
@@ -241,7 +242,8 @@ class DFlashDrafter:
             if self._may_draft(request):
                 state = self._states[request.req_id]
                 name = request.sampling_params.num_assistant_tokens_schedule
-                by_schedule.setdefault(name, []).append(Candidate(request.req_id, self._cap(request), state.num_pending))
+                remaining = request.sampling_params.max_new_tokens - request.num_output_tokens
+                by_schedule.setdefault(name, []).append(Candidate(request.req_id, self._cap(request), state.num_pending, remaining))
         blocks: dict[str, int] = {}
         for name in ("constant", "heuristic"):
             blocks.update(self.schedules[name].plan(by_schedule.get(name, ())))

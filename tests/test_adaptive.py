@@ -89,6 +89,34 @@ def test_catch_up_rows_are_charged_at_the_context_row_price():
         assert (ks["a"] > 0) == drafts, per_context
 
 
+def test_a_new_request_pays_for_its_prompt_catch_up_over_the_steps_it_serves():
+    """A request that has not drafted yet has its whole prompt pending (120 context rows here, priced
+    like block rows: 36 ms against a 10 ms target step). Charged to one step, no step's gain pays it and
+    the request never drafts (its pending rows only grow); spread over the ~32 steps of 128 tokens left it
+    drafts at once, while with 2 tokens left (or nothing known) it still waits."""
+    target, draft = (0.010, 0.0002), (0.001, 0.0003)
+    for remaining, drafts in ((128, True), (2, False), (0, False)):
+        schedule = fitted(target, draft, prior_weight=0.0)
+        accept(schedule, "a", [0.8, 0.6, 0.4, 0.2])
+        ks = schedule.plan([Candidate("a", 4, num_pending_rows=120, num_remaining_tokens=remaining)], num_generating=1)
+        assert (ks["a"] > 0) == drafts, remaining
+
+
+def test_not_drafting_is_priced_on_the_steps_that_verified_no_candidate():
+    """Steps with candidates fit the line (here 10 ms + 2 ms a row); a step of one row without candidates
+    is measured apart. Where it runs at the line's price (12 ms) drafting pays; where it runs a cheaper
+    kernel (6 ms, as one row per request does on an AVX2 CPU in f32), the same candidates do not."""
+    target, draft = (0.010, 0.002), (0.001, 0.0002)
+    for plain, drafts in ((0.012, True), (0.006, False)):
+        schedule = fitted(target, draft, prior_weight=0.0)
+        for _ in range(3):
+            schedule.observe_target(1, plain, verified_candidates=False)
+        assert schedule.plain_step_seconds(1) == pytest.approx(plain)
+        accept(schedule, "a", [0.8, 0.6, 0.4, 0.2])
+        ks = schedule.plan([Candidate("a", 4)], num_generating=1)
+        assert (ks["a"] > 0) == drafts, plain
+
+
 def test_acceptance_counts_decay_extrapolate_and_never_increase_with_position():
     counts = AcceptanceCounts(decay=0.5)
     counts.observe(2, 2)

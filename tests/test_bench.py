@@ -91,6 +91,7 @@ def test_json_schema(sweep):
         assert key in env
     assert isinstance(env["python_version"], str) and isinstance(env["openvino_version"], str)
     assert env["target_weight_precisions"] and "f32" in env["target_weight_precisions"]
+    assert env["target_precision"] == "f32 inference, f32 KV cache"  # read back from the compiled target
     options = data["options"]
     assert options["concurrency"] == [1, 2] and options["max_new_tokens"] == NEW_TOKENS
     assert options["num_assistant_tokens"] == [None] and options["num_prompts"] == 3
