@@ -220,15 +220,15 @@ class Candidate:
     num_pending_rows: int = 0  # committed rows the draft has not read yet (paid when it runs)
     num_remaining_tokens: int = 0  # tokens the request may still generate (0: unknown, the catch-up is paid whole)
 
-    def catch_up_share(self, q: Sequence[float]) -> float:
-        """The share of the pending rows' cost one step is charged: a catch-up is paid once and then
-        serves every later step of the request (its prompt, for a request that has not drafted yet),
-        so it is spread over the steps the request can still draft, each expected to bring 1 + sum(q)
-        tokens. Charged whole in one step, a new request's prompt (100+ context rows) outweighed any
-        one step's gain, so it never drafted and its pending rows only grew (HumanEval at c=1 drafted
-        in 37% of request steps and reached 1.12x where 3 candidates every step gave 1.44x)."""
+    def catch_up_rows(self, q: Sequence[float]) -> float:
+        """The pending context rows one step is charged for: a catch-up is paid once and then serves
+        every later step of the request (its prompt, for a request that has not drafted yet), so it is
+        spread over the steps the request can still draft, each expected to bring 1 + sum(q) tokens.
+        Charged whole in one step, a new request's prompt (100+ context rows) outweighed any one step's
+        gain, so it never drafted and its pending rows only grew (HumanEval at c=1 drafted in 37% of
+        request steps and reached 1.12x where 3 candidates every step gave 1.44x)."""
         steps = self.num_remaining_tokens / (1.0 + sum(q))
-        return 1.0 / max(steps, 1.0)
+        return self.num_pending_rows / max(steps, 1.0)
 
 
 @dataclass
@@ -380,10 +380,10 @@ class AdaptiveSchedule:
         best_rate = num_generating / (self.plain_step_seconds(num_generating) + runs_anyway) * (1 + self.min_gain)
         ks = {c.req_id: 0 for c in candidates}
         estimates = [(self.estimate(c.req_id, c.cap), c) for c in candidates]
-        catch_up = {c.req_id: c.num_pending_rows * c.catch_up_share(q) for q, c in estimates}
         top = max(q[0] if q else 0.0 for q, _ in estimates)
         if top <= 0 or (cheapest > 0 and top / cheapest <= best_rate):
             return ks  # not even the likeliest candidate pays (most steps of a paused batch): no sort
+        catch_up = {c.req_id: c.catch_up_rows(q) for q, c in estimates}
         slots = sorted(((q, c) for qs, c in estimates for q in qs), key=lambda slot: -slot[0])
         # each request's q is non-increasing, so a prefix of slots is a prefix of each block
         best_len, tokens, rows, drafting = 0, float(num_generating), num_generating, set()
@@ -439,8 +439,7 @@ class AdaptiveSchedule:
         k = min(c.cap, self.probe_candidates)
         per_request = self.plain_step_seconds(num_generating) / max(num_generating, 1)  # seconds a request-step
         q = self.estimate(c.req_id, c.cap)
-        catch_up = c.num_pending_rows * c.catch_up_share(q)
-        cost = t_row * k + d_fixed + d_context * catch_up + d_block * (k + offset) + d_candidate * k
+        cost = t_row * k + d_fixed + d_context * c.catch_up_rows(q) + d_block * (k + offset) + d_candidate * k
         loss = cost - sum(q[:k]) * per_request
         steps = loss / (self.probe_budget * per_request) if per_request > 0 else 0.0
         return 1 << min(max(int(np.ceil(np.log2(steps))), 0), int(np.log2(4 * self.max_probe_after))) if steps > 1 else 1
