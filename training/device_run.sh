@@ -22,7 +22,7 @@
 # text/code tokens, 6000000), TOTAL_TRAIN_S (the schedule's length in training seconds, summed over calls, 680),
 # SELF_INSTRUCT (0: none; N > 0: each generator first has the target write N requests of its own (Magpie,
 # `dflash train --self-instruct`) and answers them greedily for up to SI_S seconds (GEN_S / 2), before the passes
-# above), MARKOV_RANK (32), BATCH (16), ANCHORS (64); for a dry run elsewhere: PY (python3), DEVICE (cuda), PYROOT (where
+# above; their seeds are SI_SEED + generator, SI_SEED 200: give a warm-started run new requests with another), MARKOV_RANK (32), BATCH (16), ANCHORS (64); for a dry run elsewhere: PY (python3), DEVICE (cuda), PYROOT (where
 # the Python sources for text and stubs live).
 set -euo pipefail
 
@@ -44,6 +44,7 @@ GREEDY_S=${GREEDY_S:-$((GEN_S / 2))}
 INIT=${INIT:-}
 SELF_INSTRUCT=${SELF_INSTRUCT:-0}
 SI_S=${SI_S:-$((GEN_S / 2))}
+SI_SEED=${SI_SEED:-200}
 MARKOV_RANK=${MARKOV_RANK:-32}
 BATCH=${BATCH:-16}
 ANCHORS=${ANCHORS:-64}
@@ -226,7 +227,7 @@ EOF
       if [ "$SELF_INSTRUCT" -gt 0 ]; then
         "$PY" -m dflash.cli.train "$DEV/smollm2-hf" "$DEV/gen${i}m" --data-only --self-instruct "$SELF_INSTRUCT" \
           --generate-data 1000000 --save-data "$DEV/data${i}m.jsonl" --max-new-tokens "$MAX_NEW" --gen-batch-size "$GEN_BATCH" \
-          --gen-time-limit "$SI_S" --ignore-eos --seed "$((i + 200))" --device "$DEVICE" $bench --json > "$DEV/gen${i}m.json" 2> "$DEV/gen${i}m.log"
+          --gen-time-limit "$SI_S" --ignore-eos --seed "$((i + SI_SEED))" --device "$DEVICE" $bench --json > "$DEV/gen${i}m.json" 2> "$DEV/gen${i}m.log"
         greedy_s=$(( gen_end - $(date +%s) ))
         if [ "$CHAT_SAMPLES" -gt 0 ]; then greedy_s=$(( greedy_s * GREEDY_S / GEN_S )); fi
         [ "$greedy_s" -gt 20 ] || greedy_s=20
