@@ -7,9 +7,11 @@ one too):
     tokens  = n + sum_r sum_{i < k_r} q_r(i)
     seconds = T(n + sum_r k_r) + [any k_r > 0] * D(draft rows)
 
-T and D are fitted on this engine's own measured steps (host work included): T = fixed + per row,
-over generation steps of the target that verified candidates (not drafting is priced on the steps
-that verified none, measured per row count); D = fixed + per context row + per block row + per candidate
+T and D are fitted on this engine's own measured steps (host work included): T = fixed + per row +
+per reshape (a step whose rows differ from the previous step's: OpenVINO prepares the graph for the
+new shape, ~5 ms of a 20 ms step at c=1 on an AVX2 CPU, so a block that changes size every step costs
+more than a steady one), over generation steps of the target that verified candidates (not drafting is
+priced on the steps that verified none and kept their shape, measured per row count); D = fixed + per context row + per block row + per candidate
 row, over the draft's steps (a context row only writes the draft's keys and values, a block row
 runs every layer, and a candidate row also runs the vocabulary-wide lm_head, most of a small
 draft's cost). The draft's fixed cost (one more inference per step) is paid once, by the whole step,
@@ -53,23 +55,35 @@ class LinearCost:
     """seconds = fixed + sum_j per_unit[j] * counts[j], least squares over the latest `window`
     observations, coefficients kept non-negative.
 
-    The target's step has one count (rows: seeds and candidates all need logits, so they cost alike).
+    The target's step has two: its rows (seeds and candidates all need logits, so they cost alike) and
+    whether its rows differ from the step before (1) or not (0): OpenVINO's CPU plugin prepares every
+    node again when an input's shape changes, which costs about a fifth of a SmolLM2-135M step.
     The draft's has three: context rows (committed tokens: keys and values only), block rows (every
     layer) and candidate rows (the vocabulary-wide lm_head too: on a small draft, most of a candidate
     row's cost). Counted as one, a catch-up step's many cheap context rows pulled the per-row slope
     below zero and the fit blamed the whole draft step on its fixed cost. An earlier fit is kept while
-    new observations cannot be fitted (counts that barely vary)."""
+    new observations cannot be fitted (counts that barely vary); an `optional` count that does not vary
+    (a flag that is always 0 or always 1 in the window) keeps its earlier coefficient (0 before any fit)
+    and the rest is fitted around it: a schedule that learned what a reshape costs and then stopped
+    reshaping must not forget the price (it would start reshaping again)."""
 
-    def __init__(self, num_counts: int = 1, window: int = 128, min_samples: int = 8, min_spread: float = 0.5,
-                 refit_every: int = 8):  # fmt: skip
+    def __init__(self, num_counts: int = 1, window: int = 128, min_samples: int = 8,
+                 min_spread: float | Sequence[float] = 0.5, refit_every: int = 8, optional: Sequence[int] = ()):  # fmt: skip
         self.num_counts = num_counts
         self._samples: deque[tuple[tuple[int, ...], float]] = deque(maxlen=window)
         self.min_samples = min_samples
-        self.min_spread = min_spread  # standard deviation each count needs across the window
+        # standard deviation each count needs across the window (one figure for all, or one per count)
+        self.min_spread = np.broadcast_to(np.asarray(min_spread, dtype=np.float64), (num_counts,))
+        self.optional = frozenset(optional)  # counts fitted only while they vary (coefficient 0 meanwhile)
         self.refit_every = refit_every  # observations between two fits (a fit costs more than a step's choice)
         self._fit: np.ndarray | None = None  # [fixed, per_unit...]
         self._fit_tuple: tuple[float, ...] | None = None
         self._num_new = 0
+
+    @property
+    def observations(self) -> list[tuple[tuple[int, ...], float]]:
+        """The window: (counts, seconds) of the latest observations, oldest first."""
+        return list(self._samples)
 
     def observe(self, counts: int | tuple[int, ...], seconds: float) -> None:
         self._samples.append((counts if isinstance(counts, tuple) else (counts,), seconds))
@@ -82,8 +96,15 @@ class LinearCost:
             self._num_new = 0
             counts = np.array([c for c, _ in self._samples], dtype=np.float64)  # [n, num_counts]
             seconds = np.array([s for _, s in self._samples], dtype=np.float64)
-            if np.all(counts.std(axis=0) >= self.min_spread):
-                self._fit = _robust_fit(counts, seconds)
+            varies = counts.std(axis=0) >= self.min_spread
+            used = [j for j in range(self.num_counts) if varies[j] or j not in self.optional]
+            if all(varies[used]):
+                # an optional count that does not vary keeps its coefficient (0 before any fit)
+                fit = np.zeros(self.num_counts + 1) if self._fit is None else self._fit.copy()
+                held = [j for j in range(self.num_counts) if j not in used]
+                seconds = seconds - counts[:, held] @ fit[[1 + j for j in held]]
+                fit[[0] + [1 + j for j in used]] = _robust_fit(counts[:, used], seconds)
+                self._fit = fit
                 self._fit_tuple = tuple(float(c) for c in self._fit)
         return self._fit_tuple
 
@@ -249,7 +270,8 @@ class AdaptiveSchedule:
     probe_candidates: int = 2
     probe_budget: float = 0.02  # the share of a paused request's time its probes may lose, on expectation
     min_gain: float = 0.05
-    target_cost: LinearCost = field(default_factory=LinearCost)  # seconds over rows, of steps that verified candidates
+    # seconds over (rows, reshaped), of steps that verified candidates; reshaped is 0 or 1
+    target_cost: LinearCost = field(default_factory=lambda: LinearCost(num_counts=2, min_spread=(0.5, 0.2), optional=(1,)))
     # over (context rows, block rows, candidate rows)
     draft_cost: LinearCost = field(default_factory=lambda: LinearCost(num_counts=3))
 
@@ -262,6 +284,7 @@ class AdaptiveSchedule:
         self._weight = self.prior_weight
         self._num_steps = 0
         self._plain_seconds: dict[int, float] = {}  # rows -> seconds of steps that verified no candidate
+        self._seen_shapes: set[tuple[str, int]] = set()  # ("target" | "draft", rows) observed at least once
         self.num_decisions = 0  # (request, step) decisions made
         self.num_drafting = 0  # of them, with at least one candidate
 
@@ -271,28 +294,51 @@ class AdaptiveSchedule:
         self.engine_wide.observe(num_drafted, num_accepted)
         self._state(req_id).counts.observe(num_drafted, num_accepted)
 
-    def observe_target(self, rows: int, seconds: float, verified_candidates: bool = True) -> None:
-        """A generation step of the target (no prompt chunk in it): its rows and seconds.
+    def observe_target(self, rows: int, seconds: float, verified_candidates: bool = True, reshaped: bool = False) -> None:
+        """A generation step of the target (no prompt chunk in it): its rows and seconds, and whether its
+        rows differ from the previous step's (`reshaped`).
 
         Steps that verified candidates fit the line the drafting options are priced on; steps that
         verified none are kept apart, per row count (a running mean), and price not drafting. One line
         through both misjudged both on a CPU where a step of one row per request runs another, cheaper
         kernel than a step of two or more (AVX2, f32: 12 ms for one row, 17 for two, then 2-3 ms a row;
-        a line through them charged 3.9 ms for each candidate row)."""
+        a line through them charged 3.9 ms for each candidate row).
+
+        The first step of each row count is not used (`_first_of_shape`)."""
+        if self._first_of_shape("target", rows):
+            return
         if verified_candidates:
-            self.target_cost.observe(rows, seconds)
-        else:
+            self.target_cost.observe((rows, int(reshaped)), seconds)
+        elif not reshaped:
             before = self._plain_seconds.get(rows)
             self._plain_seconds[rows] = seconds if before is None else before + 0.1 * (seconds - before)
 
     def plain_step_seconds(self, rows: int) -> float:
-        """Seconds of a target step of `rows` rows that verifies no candidate: measured, or from the line."""
+        """Seconds of a target step of `rows` rows that verifies no candidate and keeps the previous step's
+        shape: measured, or from the line."""
         measured = self._plain_seconds.get(rows)
-        return measured if measured is not None else self.target_cost.seconds(rows)
+        return measured if measured is not None else self.target_cost.seconds(rows, 0)
+
+    def reshape_seconds(self) -> float:
+        """What a target step pays for rows that differ from the previous step's (as of the latest fit)."""
+        fit = self.target_cost.fit()
+        return fit[2] if fit is not None else 0.0
 
     def observe_draft(self, context_rows: int, block_rows: int, candidate_rows: int, seconds: float) -> None:
-        """A draft step: its context rows, block rows and candidate rows (among the block rows), and seconds."""
-        self.draft_cost.observe((context_rows, block_rows, candidate_rows), seconds)
+        """A draft step: its context rows, block rows and candidate rows (among the block rows), and seconds.
+        The first step of each row count is not used (`_first_of_shape`)."""
+        if not self._first_of_shape("draft", context_rows + block_rows):
+            self.draft_cost.observe((context_rows, block_rows, candidate_rows), seconds)
+
+    def _first_of_shape(self, model: str, rows: int) -> bool:
+        """OpenVINO runs the first inference of a new input shape slowly (it prepares kernels for it), often
+        several times a later one: fitted, those steps of the warm-up and of exploration, each of a new
+        row count, made the lines steep enough that drafting never looked worth it again in some runs
+        (and nothing drafted to correct them). Seen once, a shape is measured from its second step on."""
+        if (model, rows) in self._seen_shapes:
+            return False
+        self._seen_shapes.add((model, rows))
+        return True
 
     def forget(self, req_id: str) -> None:
         self._requests.pop(req_id, None)
@@ -300,13 +346,15 @@ class AdaptiveSchedule:
     # ---- the decision ----------------------------------------------------------------------------
 
     def plan(self, candidates: Sequence[Candidate], *, num_generating: int, candidate_offset: int = 0,
-             other_draft_rows: tuple[int, int, int] = (0, 0, 0)) -> dict[str, int]:  # fmt: skip
+             other_draft_rows: tuple[int, int, int] = (0, 0, 0), last_rows: int | None = None) -> dict[str, int]:  # fmt: skip
         """Candidates per request for the next step.
 
         num_generating: requests whose seed rows the target verifies next step (drafting or not).
         candidate_offset: block rows before the first candidate row (1 for z-lab DFlash).
         other_draft_rows: (context rows, block rows, candidate rows) of the draft that run anyway
             (other schedules' windows); all 0: the draft runs only if this schedule drafts.
+        last_rows: the rows of the target step that just ran: a next step of other rows pays the reshape
+            (None: unknown, no option is charged for it).
         """
         self._num_steps += 1
         if not candidates:
@@ -314,7 +362,7 @@ class AdaptiveSchedule:
         if self.target_cost.fit() is None or self.draft_cost.fit() is None or self.engine_wide.is_empty:
             ks = {c.req_id: self._explore(c.cap) for c in candidates}
         else:
-            ks = self._best(candidates, num_generating, candidate_offset, other_draft_rows)
+            ks = self._best(candidates, num_generating, candidate_offset, other_draft_rows, last_rows)
             self._probe(candidates, ks, num_generating, candidate_offset)
         for c in candidates:
             state = self._state(c.req_id)
@@ -363,12 +411,18 @@ class AdaptiveSchedule:
         return min(max(mean * (1 - mean) / spread - 1, 1.0), 4 * self.prior_weight)
 
     def _best(self, candidates: Sequence[Candidate], num_generating: int, offset: int,
-              other_draft_rows: tuple[int, int, int]) -> dict[str, int]:  # fmt: skip
-        t_fixed, t_row = self.target_cost.fit()
+              other_draft_rows: tuple[int, int, int], last_rows: int | None) -> dict[str, int]:  # fmt: skip
+        t_fixed, t_row, t_reshape = self.target_cost.fit()
         d_fixed, d_context, d_block, d_candidate = self.draft_cost.fit()
         # A slot costs at least this much; once q / cheapest falls to the best rate, no later slot
-        # (q only falls) can raise the rate again, so the scan stops.
+        # (q only falls) can raise the rate again, so the scan stops, unless a longer block would
+        # still reach the previous step's rows (and save the reshape).
         cheapest = t_row + d_block + d_candidate
+        steady = last_rows if last_rows is not None else 0  # below this many rows, a slot may save the reshape
+
+        def reshape(rows: int) -> float:
+            return t_reshape if last_rows is not None and rows != last_rows else 0.0
+
         context_rows, block_rows, draft_candidates = other_draft_rows
 
         def draft_seconds() -> float:
@@ -377,18 +431,19 @@ class AdaptiveSchedule:
         runs_anyway = draft_seconds() if context_rows or block_rows else 0.0
         # Drafting must promise `min_gain` more tokens per second than not drafting: the fits and the
         # estimates are noisy, and a wrong "draft" costs more than a wrong "wait" (probes correct that).
-        best_rate = num_generating / (self.plain_step_seconds(num_generating) + runs_anyway) * (1 + self.min_gain)
+        best_rate = num_generating / (self.plain_step_seconds(num_generating) + reshape(num_generating) + runs_anyway)
+        best_rate *= 1 + self.min_gain
         ks = {c.req_id: 0 for c in candidates}
         estimates = [(self.estimate(c.req_id, c.cap), c) for c in candidates]
         top = max(q[0] if q else 0.0 for q, _ in estimates)
-        if top <= 0 or (cheapest > 0 and top / cheapest <= best_rate):
+        if (top <= 0 or (cheapest > 0 and top / cheapest <= best_rate)) and num_generating >= steady:
             return ks  # not even the likeliest candidate pays (most steps of a paused batch): no sort
         catch_up = {c.req_id: c.catch_up_rows(q) for q, c in estimates}
         slots = sorted(((q, c) for qs, c in estimates for q in qs), key=lambda slot: -slot[0])
         # each request's q is non-increasing, so a prefix of slots is a prefix of each block
         best_len, tokens, rows, drafting = 0, float(num_generating), num_generating, set()
         for length, (q, c) in enumerate(slots, start=1):
-            if q <= 0 or (cheapest > 0 and q / cheapest <= best_rate):
+            if (q <= 0 or (cheapest > 0 and q / cheapest <= best_rate)) and rows >= steady:
                 break
             tokens += q
             rows += 1
@@ -398,7 +453,7 @@ class AdaptiveSchedule:
                 drafting.add(c.req_id)  # committed rows it has not read yet (caught up now, spread over
                 block_rows += offset  # the steps the catch-up serves)
                 context_rows += catch_up[c.req_id]
-            seconds = t_fixed + t_row * rows + draft_seconds()
+            seconds = t_fixed + t_row * rows + reshape(rows) + draft_seconds()
             if tokens / seconds > best_rate:
                 best_rate, best_len = tokens / seconds, length
         for _, c in slots[:best_len]:
@@ -434,12 +489,12 @@ class AdaptiveSchedule:
         costing a share of the step), probes that accept little cost more than they find and wait
         longer (measured: chat prompts at c=16 lost 15% while drafting 4% of request steps, mostly
         probes of two candidates)."""
-        _, t_row = self.target_cost.fit()
+        _, t_row, t_reshape = self.target_cost.fit()
         d_fixed, d_context, d_block, d_candidate = self.draft_cost.fit()
         k = min(c.cap, self.probe_candidates)
         per_request = self.plain_step_seconds(num_generating) / max(num_generating, 1)  # seconds a request-step
         q = self.estimate(c.req_id, c.cap)
-        cost = t_row * k + d_fixed + d_context * c.catch_up_rows(q) + d_block * (k + offset) + d_candidate * k
+        cost = t_row * k + t_reshape + d_fixed + d_context * c.catch_up_rows(q) + d_block * (k + offset) + d_candidate * k
         loss = cost - sum(q[:k]) * per_request
         steps = loss / (self.probe_budget * per_request) if per_request > 0 else 0.0
         return 1 << min(max(int(np.ceil(np.log2(steps))), 0), int(np.log2(4 * self.max_probe_after))) if steps > 1 else 1

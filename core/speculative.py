@@ -124,6 +124,7 @@ class DFlashDrafter:
         self.stats = DraftingStats()
         self.seconds = 0.0  # in draft steps (inference, head and bookkeeping)
         self._states: dict[str, DraftState] = {}
+        self._last_target_rows: int | None = None  # rows of the latest target step (a next step of other rows reshapes)
         self.warnings: list[str] = []
         self.num_restored_tokens = 0  # prompt positions restored from the draft's prefix cache
         row_bytes = 4 * runner.hidden_states_width
@@ -161,6 +162,8 @@ class DFlashDrafter:
         self._observe(target_step)
         self._ingest(target_step)
         requests = [r for _, r in target_step.scheduled if r is not None and not r.is_finished]
+        reshaped = self._last_target_rows is not None and target_step.num_rows != self._last_target_rows
+        self._last_target_rows = target_step.num_rows
         windows = self._plan(requests)
         candidates: Candidates = {}
         if windows:
@@ -169,7 +172,7 @@ class DFlashDrafter:
         self.seconds += seconds
         if target_step.is_generation:
             verified = any(v.num_drafted for v in target_step.verdicts.values())
-            self.adaptive.observe_target(target_step.num_rows, target_step.seconds, verified)
+            self.adaptive.observe_target(target_step.num_rows, target_step.seconds, verified, reshaped)
         if windows:
             self.stats.num_draft_steps += 1
             self.adaptive.observe_draft(sum(w.num_context for w in windows), sum(w.num_block_rows for w in windows),
@@ -251,8 +254,8 @@ class DFlashDrafter:
         others = [(c.num_pending_rows, k + offset, k) for name in ("constant", "heuristic")
                   for c in by_schedule.get(name, ()) if (k := blocks[c.req_id])]  # fmt: skip
         others = tuple(sum(counts) for counts in zip(*others)) if others else (0, 0, 0)
-        blocks.update(self.adaptive.plan(by_schedule.get("adaptive", ()), num_generating=len(requests),
-                                         candidate_offset=offset, other_draft_rows=others))  # fmt: skip
+        blocks.update(self.adaptive.plan(by_schedule.get("adaptive", ()), num_generating=len(requests), candidate_offset=offset,
+                                         other_draft_rows=others, last_rows=self._last_target_rows))  # fmt: skip
         self.stats.num_decisions += len(blocks)
         self.stats.num_drafting += sum(1 for k in blocks.values() if k)
         # Only requests that draft read their pending rows (a request that stays paused until it ends
