@@ -23,14 +23,13 @@ from dflash.core.model_runner import StepInputs, TargetRunner, read_ov_model
 from dflash.core.paged import SequenceSlice
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_pair_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", type=Path, help="exported target (default: the embedded default pair's)")
     parser.add_argument("--draft", type=Path, help="exported draft whose target layers are read (default: the default DSpark)")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--past", type=int, default=200, help="tokens already in each sequence's cache")
-    parser.add_argument("--steps", type=int, default=60)
-    args = parser.parse_args()
+
+
+def target_and_hidden_layers(args: argparse.Namespace) -> tuple[Path, tuple[int, ...]]:
+    """The target of --target/--draft (else of the embedded default DSpark pair) and the layers its draft reads."""
     if args.target and args.draft:
         target, draft = args.target, args.draft
     else:
@@ -38,7 +37,17 @@ def main() -> None:
 
         pair = ensure_default_pair("dspark")
         target, draft = pair.target_dir, pair.draft_dir
-    layers = read_draft_metadata(read_ov_model(draft)).target_layer_ids
+    return target, tuple(read_draft_metadata(read_ov_model(draft)).target_layer_ids)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_pair_arguments(parser)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--past", type=int, default=200, help="tokens already in each sequence's cache")
+    parser.add_argument("--steps", type=int, default=60)
+    args = parser.parse_args()
+    target, layers = target_and_hidden_layers(args)
     runners = {"plain": TargetRunner(target), "hidden outputs": TargetRunner(target, hidden_layer_ids=layers)}
     blocks_per_seq = -(-(args.past + 1) // runners["plain"].kv_block_size)
     for runner in runners.values():

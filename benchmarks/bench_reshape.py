@@ -15,12 +15,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import numpy as np
+from bench_hidden_outputs import add_pair_arguments, target_and_hidden_layers
 
-from dflash.core.draft_format import read_draft_metadata
-from dflash.core.model_runner import StepInputs, TargetRunner, read_ov_model
+from dflash.core.model_runner import StepInputs, TargetRunner
 from dflash.core.paged import SequenceSlice
 
 # name -> the rows of each sequence, step after step (the pattern repeats)
@@ -37,20 +36,13 @@ PATTERNS = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", type=Path, help="exported target (default: the embedded default pair's)")
-    parser.add_argument("--draft", type=Path, help="exported draft whose target layers are read (default: the default DSpark)")
+    add_pair_arguments(parser)
     parser.add_argument("--past", type=int, default=200, help="tokens already in each sequence's cache")
     parser.add_argument("--steps", type=int, default=30, help="steps per pattern and round (the first 4 are not timed)")
     parser.add_argument("--rounds", type=int, default=4)
     args = parser.parse_args()
-    if args.target and args.draft:
-        target, draft = args.target, args.draft
-    else:
-        from dflash.exporters.default_pair import ensure_default_pair
-
-        pair = ensure_default_pair("dspark")
-        target, draft = pair.target_dir, pair.draft_dir
-    runner = TargetRunner(target, hidden_layer_ids=read_draft_metadata(read_ov_model(draft)).target_layer_ids)
+    target, layers = target_and_hidden_layers(args)
+    runner = TargetRunner(target, hidden_layer_ids=layers)
     blocks_per_seq = -(-(args.past + args.steps * 8) // runner.kv_block_size)
     runner.allocate_cache(blocks_per_seq * 8)
     tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(8)]
