@@ -10,8 +10,9 @@ one too):
 T and D are fitted on this engine's own measured steps (host work included): T = fixed + per row +
 per reshape (a step whose rows differ from the previous step's: OpenVINO prepares the graph for the
 new shape, ~5 ms of a 20 ms step at c=1 on an AVX2 CPU, so a block that changes size every step costs
-more than a steady one), over generation steps of the target that verified candidates (not drafting is
-priced on the steps that verified none and kept their shape, measured per row count); D = fixed + per context row + per block row + per candidate
+more than a steady one), over generation steps of the target that verified candidates; a row count
+already measured (steps that kept their shape) is priced at its own running mean instead, and not
+drafting at the mean of the steps that verified none; D = fixed + per context row + per block row + per candidate
 row, over the draft's steps (a context row only writes the draft's keys and values, a block row
 runs every layer, and a candidate row also runs the vocabulary-wide lm_head, most of a small
 draft's cost). The draft's fixed cost (one more inference per step) is paid once, by the whole step,
@@ -220,6 +221,13 @@ def _extrapolate(q: list[float]) -> float:
 
 
 _FADE_EVERY = 8  # steps between two fades of a paused request's evidence
+_MIN_MEASURED = 3  # steps of a row count before their mean replaces the line's price
+
+
+def _running_mean(means: dict[int, tuple[float, int]], rows: int, seconds: float) -> None:
+    """The mean of a row count's steps, recent steps weighing more once there are ten (a running mean)."""
+    mean, n = means.get(rows, (0.0, 0))
+    means[rows] = (mean + (seconds - mean) / min(n + 1, 10), n + 1)
 
 
 @dataclass
@@ -283,7 +291,10 @@ class AdaptiveSchedule:
         self._prior: list[float] = []
         self._weight = self.prior_weight
         self._num_steps = 0
-        self._plain_seconds: dict[int, float] = {}  # rows -> seconds of steps that verified no candidate
+        # rows -> (running mean seconds, steps) of steps that kept the previous step's shape and verified
+        # no candidate (plain) or some (verify)
+        self._plain_seconds: dict[int, tuple[float, int]] = {}
+        self._verify_seconds: dict[int, tuple[float, int]] = {}
         self._seen_shapes: set[tuple[str, int]] = set()  # ("target" | "draft", rows) observed at least once
         self.num_decisions = 0  # (request, step) decisions made
         self.num_drafting = 0  # of them, with at least one candidate
@@ -302,22 +313,40 @@ class AdaptiveSchedule:
         verified none are kept apart, per row count (a running mean), and price not drafting. One line
         through both misjudged both on a CPU where a step of one row per request runs another, cheaper
         kernel than a step of two or more (AVX2, f32: 12 ms for one row, 17 for two, then 2-3 ms a row;
-        a line through them charged 3.9 ms for each candidate row).
+        a line through them charged 3.9 ms for each candidate row). Steps that verified candidates are also
+        kept per row count: the line is the price of a row count not measured yet, the running mean the
+        price of one measured (at c=1 on that CPU, 4 rows 19-23 ms and 5 rows 26-31: a line through 2 to 8
+        rows priced the fifth row as cheap as the third, and the schedule drafted 3.3 candidates a step
+        where the constant 3 was faster).
 
         The first step of each row count is not used (`_first_of_shape`)."""
         if self._first_of_shape("target", rows):
             return
         if verified_candidates:
             self.target_cost.observe((rows, int(reshaped)), seconds)
-        elif not reshaped:
-            before = self._plain_seconds.get(rows)
-            self._plain_seconds[rows] = seconds if before is None else before + 0.1 * (seconds - before)
+        if not reshaped:
+            _running_mean(self._verify_seconds if verified_candidates else self._plain_seconds, rows, seconds)
 
     def plain_step_seconds(self, rows: int) -> float:
         """Seconds of a target step of `rows` rows that verifies no candidate and keeps the previous step's
         shape: measured, or from the line."""
         measured = self._plain_seconds.get(rows)
-        return measured if measured is not None else self.target_cost.seconds(rows, 0)
+        return measured[0] if measured is not None else self.target_cost.seconds(rows, 0)
+
+    def verify_step_seconds(self, rows: int) -> float:
+        """Seconds of a target step of `rows` rows that verifies candidates and keeps the previous step's
+        shape: measured (`_MIN_MEASURED` steps of that row count), or from the line."""
+        measured = self._verify_seconds.get(rows)
+        if measured is not None and measured[1] >= _MIN_MEASURED:
+            return measured[0]
+        return self.target_cost.seconds(rows, 0)
+
+    def _cheapest_row(self, t_row: float) -> float:
+        """A lower bound on what one more verified row adds to a step: the line's slope, or less where two
+        measured row counts next to each other differ by less."""
+        measured = {r: s for r, (s, n) in self._verify_seconds.items() if n >= _MIN_MEASURED}
+        steps = [measured[r + 1] - s for r, s in measured.items() if r + 1 in measured]
+        return max(0.0, min([t_row, *steps]))
 
     def reshape_seconds(self) -> float:
         """What a target step pays for rows that differ from the previous step's (as of the latest fit)."""
@@ -412,12 +441,12 @@ class AdaptiveSchedule:
 
     def _best(self, candidates: Sequence[Candidate], num_generating: int, offset: int,
               other_draft_rows: tuple[int, int, int], last_rows: int | None) -> dict[str, int]:  # fmt: skip
-        t_fixed, t_row, t_reshape = self.target_cost.fit()
+        _, t_row, t_reshape = self.target_cost.fit()
         d_fixed, d_context, d_block, d_candidate = self.draft_cost.fit()
         # A slot costs at least this much; once q / cheapest falls to the best rate, no later slot
         # (q only falls) can raise the rate again, so the scan stops, unless a longer block would
         # still reach the previous step's rows (and save the reshape).
-        cheapest = t_row + d_block + d_candidate
+        cheapest = self._cheapest_row(t_row) + d_block + d_candidate
         steady = last_rows if last_rows is not None else 0  # below this many rows, a slot may save the reshape
 
         def reshape(rows: int) -> float:
@@ -453,7 +482,7 @@ class AdaptiveSchedule:
                 drafting.add(c.req_id)  # committed rows it has not read yet (caught up now, spread over
                 block_rows += offset  # the steps the catch-up serves)
                 context_rows += catch_up[c.req_id]
-            seconds = t_fixed + t_row * rows + reshape(rows) + draft_seconds()
+            seconds = self.verify_step_seconds(rows) + reshape(rows) + draft_seconds()
             if tokens / seconds > best_rate:
                 best_rate, best_len = tokens / seconds, length
         for _, c in slots[:best_len]:

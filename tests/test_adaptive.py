@@ -104,6 +104,22 @@ def test_a_step_keeps_the_previous_steps_shape_unless_another_pays_for_the_resha
         assert ks["a"] == expected, last_rows
 
 
+def test_a_measured_row_count_is_priced_at_its_own_mean_not_the_line():
+    """The line (10 ms + 2 ms a row) prices 4 candidates (5 rows) at 20 ms, and they pay more than 3;
+    where steps of 5 rows are measured at 24 ms (a CPU whose kernels step up there), 3 candidates win.
+    Until 3 such steps are measured, the line stands."""
+    schedule = fitted((0.010, 0.002), (0.001, 0.0002), prior_weight=0.0)
+    accept(schedule, "a", [0.8, 0.6, 0.45, 0.4])
+    assert schedule.plan([Candidate("a", 4)], num_generating=1)["a"] == 4
+    for _ in range(3):  # the first step of a shape is not measured: two steps, the line still
+        schedule.observe_target(5, 0.024)
+    assert schedule.verify_step_seconds(5) == pytest.approx(0.020)
+    assert schedule.plan([Candidate("a", 4)], num_generating=1)["a"] == 4
+    schedule.observe_target(5, 0.024)
+    assert schedule.verify_step_seconds(5) == pytest.approx(0.024)
+    assert schedule.plan([Candidate("a", 4)], num_generating=1)["a"] == 3
+
+
 def test_the_first_step_of_each_shape_is_not_measured():
     """OpenVINO's first inference of a new input shape prepares its kernels and runs several times
     slower; fitted, the warm-up's and exploration's first steps of each row count made the target's line
