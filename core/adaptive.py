@@ -224,10 +224,16 @@ _FADE_EVERY = 8  # steps between two fades of a paused request's evidence
 _MIN_MEASURED = 3  # steps of a row count before their mean replaces the line's price
 
 
-def _running_mean(means: dict[int, tuple[float, int]], rows: int, seconds: float) -> None:
-    """The mean of a row count's steps, recent steps weighing more once there are ten (a running mean)."""
-    mean, n = means.get(rows, (0.0, 0))
-    means[rows] = (mean + (seconds - mean) / min(n + 1, 10), n + 1)
+def _running_mean(means: dict, key, seconds: float) -> None:
+    """The mean of a kind of step, recent steps weighing more once there are ten (a running mean)."""
+    mean, n = means.get(key, (0.0, 0))
+    means[key] = (mean + (seconds - mean) / min(n + 1, 10), n + 1)
+
+
+def batch_class(num_requests: int) -> int:
+    """Batch sizes whose target steps are priced apart: 1, 2-3, 4-7, 8-15, ... (a power-of-two class,
+    as other engines profile their step costs per batch size)."""
+    return max(num_requests, 1).bit_length()
 
 
 @dataclass
@@ -278,13 +284,13 @@ class AdaptiveSchedule:
     probe_candidates: int = 2
     probe_budget: float = 0.02  # the share of a paused request's time its probes may lose, on expectation
     min_gain: float = 0.05
-    # seconds over (rows, reshaped), of steps that verified candidates; reshaped is 0 or 1
-    target_cost: LinearCost = field(default_factory=lambda: LinearCost(num_counts=2, min_spread=(0.5, 0.2), optional=(1,)))
     # over (context rows, block rows, candidate rows)
     draft_cost: LinearCost = field(default_factory=lambda: LinearCost(num_counts=3))
 
     def __post_init__(self) -> None:
-        self.target_cost.min_samples = self.draft_cost.min_samples = self.min_steps
+        self.draft_cost.min_samples = self.min_steps
+        # per batch-size class (`batch_class`): seconds over (rows, reshaped) of steps that verified candidates
+        self.target_costs: dict[int, LinearCost] = {}
         self.engine_wide = AcceptanceCounts(self.engine_decay)
         self._requests: dict[str, _RequestState] = {}
         self._prior_key: tuple = ()
@@ -294,7 +300,7 @@ class AdaptiveSchedule:
         # rows -> (running mean seconds, steps) of steps that kept the previous step's shape and verified
         # no candidate (plain) or some (verify)
         self._plain_seconds: dict[int, tuple[float, int]] = {}
-        self._verify_seconds: dict[int, tuple[float, int]] = {}
+        self._verify_seconds: dict[tuple[int, int], tuple[float, int]] = {}  # keyed (requests, rows)
         self._seen_shapes: set[tuple[str, int]] = set()  # ("target" | "draft", rows) observed at least once
         self.num_decisions = 0  # (request, step) decisions made
         self.num_drafting = 0  # of them, with at least one candidate
@@ -305,52 +311,65 @@ class AdaptiveSchedule:
         self.engine_wide.observe(num_drafted, num_accepted)
         self._state(req_id).counts.observe(num_drafted, num_accepted)
 
-    def observe_target(self, rows: int, seconds: float, verified_candidates: bool = True, reshaped: bool = False) -> None:
-        """A generation step of the target (no prompt chunk in it): its rows and seconds, and whether its
-        rows differ from the previous step's (`reshaped`).
+    def observe_target(self, rows: int, seconds: float, verified_candidates: bool = True, reshaped: bool = False,
+                       num_requests: int = 1) -> None:  # fmt: skip
+        """A generation step of the target (no prompt chunk in it): its rows and seconds, whether its rows
+        differ from the previous step's (`reshaped`), and how many requests it served.
 
-        Steps that verified candidates fit the line the drafting options are priced on; steps that
-        verified none are kept apart, per row count (a running mean), and price not drafting. One line
-        through both misjudged both on a CPU where a step of one row per request runs another, cheaper
-        kernel than a step of two or more (AVX2, f32: 12 ms for one row, 17 for two, then 2-3 ms a row;
-        a line through them charged 3.9 ms for each candidate row). Steps that verified candidates are also
-        kept per row count: the line is the price of a row count not measured yet, the running mean the
-        price of one measured (at c=1 on that CPU, 4 rows 19-23 ms and 5 rows 26-31: a line through 2 to 8
-        rows priced the fifth row as cheap as the third, and the schedule drafted 3.3 candidates a step
-        where the constant 3 was faster).
+        Steps that verified candidates fit the line the drafting options are priced on, one line per
+        batch-size class (`batch_class`): a row costs more where few requests share a step (at c=1 on an
+        AVX2 CPU in f32, 2.5-5 ms a row from 1 to 8 rows; at c=8, about 2 ms a row from 8 to 24), and a
+        line fitted during a c=1 warm-up then priced c=8's candidates so high that nothing drafted. Steps
+        that verified none are kept apart, per row count (a running mean), and price not drafting: one
+        line through both misjudged both on a CPU where a step of one row per request runs another,
+        cheaper kernel than a step of two or more (12 ms for one row, 17 for two, then 2-3 ms a row).
+        Steps that verified candidates are also kept per (requests, rows): the line is the price of a row
+        count not measured yet, the running mean the price of one measured (at c=1 on that CPU, 4 rows
+        19-23 ms and 5 rows 26-31: a line through 2 to 8 rows priced the fifth row as cheap as the third,
+        and the schedule drafted 3.3 candidates a step where the constant 3 was faster).
 
         The first step of each row count is not used (`_first_of_shape`)."""
         if self._first_of_shape("target", rows):
             return
         if verified_candidates:
-            self.target_cost.observe((rows, int(reshaped)), seconds)
-        if not reshaped:
-            _running_mean(self._verify_seconds if verified_candidates else self._plain_seconds, rows, seconds)
+            self.target_cost(num_requests).observe((rows, int(reshaped)), seconds)
+            if not reshaped:
+                _running_mean(self._verify_seconds, (num_requests, rows), seconds)
+        elif not reshaped:
+            _running_mean(self._plain_seconds, rows, seconds)
+
+    def target_cost(self, num_requests: int) -> LinearCost:
+        """The line of the target's steps serving `num_requests` requests (their batch-size class)."""
+        cost = self.target_costs.get(batch_class(num_requests))
+        if cost is None:
+            cost = LinearCost(num_counts=2, min_samples=self.min_steps, min_spread=(0.5, 0.2), optional=(1,))
+            self.target_costs[batch_class(num_requests)] = cost
+        return cost
 
     def plain_step_seconds(self, rows: int) -> float:
-        """Seconds of a target step of `rows` rows that verifies no candidate and keeps the previous step's
+        """Seconds of a target step of `rows` rows, one per request, that keeps the previous step's
         shape: measured, or from the line."""
         measured = self._plain_seconds.get(rows)
-        return measured[0] if measured is not None else self.target_cost.seconds(rows, 0)
+        return measured[0] if measured is not None else self.target_cost(rows).seconds(rows, 0)
 
-    def verify_step_seconds(self, rows: int) -> float:
-        """Seconds of a target step of `rows` rows that verifies candidates and keeps the previous step's
-        shape: measured (`_MIN_MEASURED` steps of that row count), or from the line."""
-        measured = self._verify_seconds.get(rows)
+    def verify_step_seconds(self, rows: int, num_requests: int = 1) -> float:
+        """Seconds of a target step of `rows` rows for `num_requests` requests that verifies candidates
+        and keeps the previous step's shape: measured (`_MIN_MEASURED` steps), or from the line."""
+        measured = self._verify_seconds.get((num_requests, rows))
         if measured is not None and measured[1] >= _MIN_MEASURED:
             return measured[0]
-        return self.target_cost.seconds(rows, 0)
+        return self.target_cost(num_requests).seconds(rows, 0)
 
-    def _cheapest_row(self, t_row: float) -> float:
+    def _cheapest_row(self, t_row: float, num_requests: int) -> float:
         """A lower bound on what one more verified row adds to a step: the line's slope, or less where two
         measured row counts next to each other differ by less."""
-        measured = {r: s for r, (s, n) in self._verify_seconds.items() if n >= _MIN_MEASURED}
+        measured = {r: s for (n, r), (s, count) in self._verify_seconds.items() if n == num_requests and count >= _MIN_MEASURED}
         steps = [measured[r + 1] - s for r, s in measured.items() if r + 1 in measured]
         return max(0.0, min([t_row, *steps]))
 
-    def reshape_seconds(self) -> float:
+    def reshape_seconds(self, num_requests: int = 1) -> float:
         """What a target step pays for rows that differ from the previous step's (as of the latest fit)."""
-        fit = self.target_cost.fit()
+        fit = self.target_cost(num_requests).fit()
         return fit[2] if fit is not None else 0.0
 
     def observe_draft(self, context_rows: int, block_rows: int, candidate_rows: int, seconds: float) -> None:
@@ -388,7 +407,7 @@ class AdaptiveSchedule:
         self._num_steps += 1
         if not candidates:
             return {}
-        if self.target_cost.fit() is None or self.draft_cost.fit() is None or self.engine_wide.is_empty:
+        if self.target_cost(num_generating).fit() is None or self.draft_cost.fit() is None or self.engine_wide.is_empty:
             ks = {c.req_id: self._explore(c.cap) for c in candidates}
         else:
             ks = self._best(candidates, num_generating, candidate_offset, other_draft_rows, last_rows)
@@ -441,12 +460,12 @@ class AdaptiveSchedule:
 
     def _best(self, candidates: Sequence[Candidate], num_generating: int, offset: int,
               other_draft_rows: tuple[int, int, int], last_rows: int | None) -> dict[str, int]:  # fmt: skip
-        _, t_row, t_reshape = self.target_cost.fit()
+        _, t_row, t_reshape = self.target_cost(num_generating).fit()
         d_fixed, d_context, d_block, d_candidate = self.draft_cost.fit()
         # A slot costs at least this much; once q / cheapest falls to the best rate, no later slot
         # (q only falls) can raise the rate again, so the scan stops, unless a longer block would
         # still reach the previous step's rows (and save the reshape).
-        cheapest = self._cheapest_row(t_row) + d_block + d_candidate
+        cheapest = self._cheapest_row(t_row, num_generating) + d_block + d_candidate
         steady = last_rows if last_rows is not None else 0  # below this many rows, a slot may save the reshape
 
         def reshape(rows: int) -> float:
@@ -482,7 +501,7 @@ class AdaptiveSchedule:
                 drafting.add(c.req_id)  # committed rows it has not read yet (caught up now, spread over
                 block_rows += offset  # the steps the catch-up serves)
                 context_rows += catch_up[c.req_id]
-            seconds = self.verify_step_seconds(rows) + reshape(rows) + draft_seconds()
+            seconds = self.verify_step_seconds(rows, num_generating) + reshape(rows) + draft_seconds()
             if tokens / seconds > best_rate:
                 best_rate, best_len = tokens / seconds, length
         for _, c in slots[:best_len]:
@@ -518,7 +537,7 @@ class AdaptiveSchedule:
         costing a share of the step), probes that accept little cost more than they find and wait
         longer (measured: chat prompts at c=16 lost 15% while drafting 4% of request steps, mostly
         probes of two candidates)."""
-        _, t_row, t_reshape = self.target_cost.fit()
+        _, t_row, t_reshape = self.target_cost(num_generating).fit()
         d_fixed, d_context, d_block, d_candidate = self.draft_cost.fit()
         k = min(c.cap, self.probe_candidates)
         per_request = self.plain_step_seconds(num_generating) / max(num_generating, 1)  # seconds a request-step

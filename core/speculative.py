@@ -172,7 +172,8 @@ class DFlashDrafter:
         self.seconds += seconds
         if target_step.is_generation:
             verified = any(v.num_drafted for v in target_step.verdicts.values())
-            self.adaptive.observe_target(target_step.num_rows, target_step.seconds, verified, reshaped)
+            self.adaptive.observe_target(target_step.num_rows, target_step.seconds, verified, reshaped,
+                                         num_requests=len(target_step.scheduled))  # fmt: skip
         if windows:
             self.stats.num_draft_steps += 1
             self.adaptive.observe_draft(sum(w.num_context for w in windows), sum(w.num_block_rows for w in windows),

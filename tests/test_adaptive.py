@@ -17,9 +17,10 @@ def fitted(target: tuple[float, float], draft: tuple[float, float], *, per_candi
     schedule = AdaptiveSchedule(min_steps=min_steps, **kwargs)
     per_context = draft[1] if per_context is None else per_context
     for rows, candidates, context in ((1, 0, 1), (4, 3, 2), (9, 2, 9), (16, 8, 4), (25, 4, 25), (36, 15, 6)) * 2:
-        schedule.observe_target(rows, target[0] + target[1] * rows)  # (the first of each shape is not used)
+        for num_requests in (1, 2, 4, 8, 16):  # every batch-size class the tests plan for, the same line
+            schedule.observe_target(rows, target[0] + target[1] * rows, num_requests=num_requests)
         seconds = draft[0] + per_context * context + draft[1] * rows + per_candidate * candidates
-        schedule.observe_draft(context, rows, candidates, seconds)
+        schedule.observe_draft(context, rows, candidates, seconds)  # (the first of each shape is not used)
     return schedule
 
 
@@ -120,6 +121,26 @@ def test_a_measured_row_count_is_priced_at_its_own_mean_not_the_line():
     assert schedule.plan([Candidate("a", 4)], num_generating=1)["a"] == 3
 
 
+def test_each_batch_size_class_is_priced_on_its_own_steps():
+    """A line fitted on steps of one request (5 ms a row) says no candidate pays at c=8; a step of 8
+    requests is priced on its own class's steps: until it has them it explores (whole block, half, one,
+    none), and with them (1 ms a row) all 8 requests draft."""
+    schedule = AdaptiveSchedule(min_steps=4, prior_weight=0.0)
+    for rows, context in ((2, 1), (3, 4), (4, 2), (5, 9), (6, 3)) * 2:
+        schedule.observe_target(rows, 0.010 + 0.005 * rows, num_requests=1)
+        schedule.observe_draft(context, rows, rows - 1, 0.002 + 0.0001 * rows)
+    requests = [Candidate(f"r{i}", 4) for i in range(8)]
+    for c in requests:
+        accept(schedule, c.req_id, [0.8, 0.6, 0.45, 0.3])
+    assert schedule.target_cost(8).fit() is None
+    sizes = sorted(sum(schedule.plan(requests, num_generating=8).values()) for _ in range(4))
+    assert sizes == [0, 8, 16, 32]
+    for rows in (8, 16, 24, 32, 40) * 2:
+        schedule.observe_target(rows, 0.030 + 0.001 * rows, num_requests=8)
+    assert schedule.target_cost(8).fit() == pytest.approx((0.030, 0.001, 0.0))
+    assert all(k >= 1 for k in schedule.plan(requests, num_generating=8).values())
+
+
 def test_the_first_step_of_each_shape_is_not_measured():
     """OpenVINO's first inference of a new input shape prepares its kernels and runs several times
     slower; fitted, the warm-up's and exploration's first steps of each row count made the target's line
@@ -129,7 +150,7 @@ def test_the_first_step_of_each_shape_is_not_measured():
         schedule.observe_target(rows, 5 * (0.010 + 0.002 * rows))
     for rows in (2, 4, 8, 16, 2, 4, 8, 16):
         schedule.observe_target(rows, 0.010 + 0.002 * rows)
-    assert schedule.target_cost.fit() == pytest.approx((0.010, 0.002, 0.0))
+    assert schedule.target_cost(1).fit() == pytest.approx((0.010, 0.002, 0.0))
 
 
 def test_catch_up_steps_do_not_turn_the_draft_into_a_fixed_cost():

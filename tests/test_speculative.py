@@ -408,8 +408,9 @@ def test_adaptive_schedule_is_lossless_and_stays_in_the_block(engines, mixed_ref
     adaptive = engine.drafter.adaptive
     # the steps' costs reach the schedule (each shape from its second step on), steps whose rows
     # changed flagged as such (exploration changes the block's size every step)
-    assert adaptive.target_cost.observations and adaptive.draft_cost.observations
-    assert any(reshaped for (_, reshaped), _ in adaptive.target_cost.observations)
+    observations = [o for cost in adaptive.target_costs.values() for o in cost.observations]
+    assert observations and adaptive.draft_cost.observations
+    assert any(reshaped for (_, reshaped), _ in observations)
     assert engine.drafter.stats.num_decisions > 0
     assert_pools_full(engine)
 
