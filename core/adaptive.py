@@ -75,7 +75,7 @@ class LinearCost:
         self.min_samples = min_samples
         # standard deviation each count needs across the window (one figure for all, or one per count)
         self.min_spread = np.broadcast_to(np.asarray(min_spread, dtype=np.float64), (num_counts,))
-        self.optional = frozenset(optional)  # counts fitted only while they vary (coefficient 0 meanwhile)
+        self.optional = frozenset(optional)  # counts fitted only while they vary (their coefficient held meanwhile)
         self.refit_every = refit_every  # observations between two fits (a fit costs more than a step's choice)
         self._fit: np.ndarray | None = None  # [fixed, per_unit...]
         self._fit_tuple: tuple[float, ...] | None = None
