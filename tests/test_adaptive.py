@@ -103,6 +103,11 @@ def test_a_step_keeps_the_previous_steps_shape_unless_another_pays_for_the_resha
     for last_rows, expected in ((None, 3), (5, 4), (3, 2), (1, 4)):
         ks = schedule.plan([Candidate("a", 4)], num_generating=1, last_rows=last_rows)
         assert ks["a"] == expected, last_rows
+    # Stopping is not charged the reshape (paid once, and every later step without candidates is cheaper):
+    # a request whose 4 candidates bring 0.65 tokens stops after a step of 5 rows (1.65 tokens in 21.8 ms,
+    # 76 tokens/s, against 87.5 without drafting; charged the reshape, not drafting read 62 and it drafted on).
+    accept(schedule, "b", [0.3, 0.2, 0.1, 0.05])
+    assert schedule.plan([Candidate("b", 4)], num_generating=1, last_rows=5)["b"] == 0
 
 
 def test_a_measured_row_count_is_priced_at_its_own_mean_not_the_line():
