@@ -300,7 +300,7 @@ class AdaptiveSchedule:
         # rows -> (running mean seconds, steps) of steps that kept the previous step's shape and verified
         # no candidate (plain) or some (verify)
         self._plain_seconds: dict[int, tuple[float, int]] = {}
-        self._verify_seconds: dict[tuple[int, int], tuple[float, int]] = {}  # keyed (requests, rows)
+        self._verify_seconds: dict[int, dict[int, tuple[float, int]]] = {}  # requests -> rows -> (mean, steps)
         self._seen_shapes: set[tuple[str, int]] = set()  # ("target" | "draft", rows) observed at least once
         self.num_decisions = 0  # (request, step) decisions made
         self.num_drafting = 0  # of them, with at least one candidate
@@ -334,7 +334,7 @@ class AdaptiveSchedule:
         if verified_candidates:
             self.target_cost(num_requests).observe((rows, int(reshaped)), seconds)
             if not reshaped:
-                _running_mean(self._verify_seconds, (num_requests, rows), seconds)
+                _running_mean(self._verify_seconds.setdefault(num_requests, {}), rows, seconds)
         elif not reshaped:
             _running_mean(self._plain_seconds, rows, seconds)
 
@@ -355,17 +355,13 @@ class AdaptiveSchedule:
     def verify_step_seconds(self, rows: int, num_requests: int = 1) -> float:
         """Seconds of a target step of `rows` rows for `num_requests` requests that verifies candidates
         and keeps the previous step's shape: measured (`_MIN_MEASURED` steps), or from the line."""
-        measured = self._verify_seconds.get((num_requests, rows))
-        if measured is not None and measured[1] >= _MIN_MEASURED:
-            return measured[0]
-        return self.target_cost(num_requests).seconds(rows, 0)
+        measured = self._measured_verify_seconds(num_requests).get(rows)
+        return measured if measured is not None else self.target_cost(num_requests).seconds(rows, 0)
 
-    def _cheapest_row(self, t_row: float, num_requests: int) -> float:
-        """A lower bound on what one more verified row adds to a step: the line's slope, or less where two
-        measured row counts next to each other differ by less."""
-        measured = {r: s for (n, r), (s, count) in self._verify_seconds.items() if n == num_requests and count >= _MIN_MEASURED}
-        steps = [measured[r + 1] - s for r, s in measured.items() if r + 1 in measured]
-        return max(0.0, min([t_row, *steps]))
+    def _measured_verify_seconds(self, num_requests: int) -> dict[int, float]:
+        """rows -> mean seconds, of the row counts measured `_MIN_MEASURED` times for `num_requests` requests."""
+        by_rows = self._verify_seconds.get(num_requests, {})
+        return {rows: mean for rows, (mean, steps) in by_rows.items() if steps >= _MIN_MEASURED}
 
     def reshape_seconds(self, num_requests: int = 1) -> float:
         """What a target step pays for rows that differ from the previous step's (as of the latest fit)."""
@@ -460,12 +456,19 @@ class AdaptiveSchedule:
 
     def _best(self, candidates: Sequence[Candidate], num_generating: int, offset: int,
               other_draft_rows: tuple[int, int, int], last_rows: int | None) -> dict[str, int]:  # fmt: skip
-        _, t_row, t_reshape = self.target_cost(num_generating).fit()
+        t_fixed, t_row, t_reshape = self.target_cost(num_generating).fit()
         d_fixed, d_context, d_block, d_candidate = self.draft_cost.fit()
-        # A slot costs at least this much; once q / cheapest falls to the best rate, no later slot
-        # (q only falls) can raise the rate again, so the scan stops, unless a longer block would
-        # still reach the previous step's rows (and save the reshape).
-        cheapest = self._cheapest_row(t_row, num_generating) + d_block + d_candidate
+        measured = self._measured_verify_seconds(num_generating)
+
+        def verify_seconds(rows: int) -> float:  # verify_step_seconds, with the fit and the means read once
+            return measured.get(rows, t_fixed + t_row * rows)
+
+        # A slot costs at least this much (the line's slope, or less where two measured row counts next
+        # to each other differ by less); once q / cheapest falls to the best rate, no later slot (q only
+        # falls) can raise the rate again, so the scan stops, unless a longer block would still reach
+        # the previous step's rows (and save the reshape).
+        row_steps = [measured[rows + 1] - mean for rows, mean in measured.items() if rows + 1 in measured]
+        cheapest = max(0.0, min([t_row, *row_steps])) + d_block + d_candidate
         steady = last_rows if last_rows is not None else 0  # below this many rows, a slot may save the reshape
 
         def reshape(rows: int) -> float:
@@ -502,7 +505,7 @@ class AdaptiveSchedule:
                 drafting.add(c.req_id)  # committed rows it has not read yet (caught up now, spread over
                 block_rows += offset  # the steps the catch-up serves)
                 context_rows += catch_up[c.req_id]
-            seconds = self.verify_step_seconds(rows, num_generating) + reshape(rows) + draft_seconds()
+            seconds = verify_seconds(rows) + reshape(rows) + draft_seconds()
             if tokens / seconds > best_rate:
                 best_rate, best_len = tokens / seconds, length
         for _, c in slots[:best_len]:
