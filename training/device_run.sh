@@ -22,7 +22,8 @@
 # text/code tokens, 6000000), TOTAL_TRAIN_S (the schedule's length in training seconds, summed over calls, 680),
 # SELF_INSTRUCT (0: none; N > 0: each generator first has the target write N requests of its own (Magpie,
 # `dflash train --self-instruct`) and answers them greedily for up to SI_S seconds (GEN_S / 2), before the passes
-# above; their seeds are SI_SEED + generator, SI_SEED 200: give a warm-started run new requests with another), MARKOV_RANK (32), BATCH (16), ANCHORS (64); for a dry run elsewhere: PY (python3), DEVICE (cuda), PYROOT (where
+# above; their seeds are SI_SEED + generator, SI_SEED 200: give a warm-started run new requests with another), MARKOV_RANK (32), BATCH (16), ANCHORS (64), LR (the peak learning rate: dflash train's default when
+# empty; lower it to anneal weights left mid-schedule by a lost machine); for a dry run elsewhere: PY (python3), DEVICE (cuda), PYROOT (where
 # the Python sources for text and stubs live).
 set -euo pipefail
 
@@ -48,6 +49,7 @@ SI_SEED=${SI_SEED:-200}
 MARKOV_RANK=${MARKOV_RANK:-32}
 BATCH=${BATCH:-16}
 ANCHORS=${ANCHORS:-64}
+LR=${LR:-}
 PY=${PY:-python3}
 DEVICE=${DEVICE:-cuda}
 OUT=${OUT:-$DEV/out}
@@ -292,10 +294,11 @@ train_all() {  # every draft of $DRAFTS at once, until the call's deadline ($1: 
   log "training until +$stop s: $DRAFTS"
   for spec in $DRAFTS; do
     IFS=: read -r name kind layers tl block <<< "$spec"
-    local markov=()
+    local markov=() lr=()
     [ "$kind" = dspark ] && markov=(--markov-rank "$MARKOV_RANK")
+    [ -n "$LR" ] && lr=(--lr "$LR")
     "$PY" -m dflash.cli.train "$DEV/smollm2-hf" "$DEV/$name" --kind "$kind" --block-size "$block" --num-layers "$layers" \
-      --target-layer-ids "$tl" "${markov[@]}" "${data[@]}" $bench --batch-size "$BATCH" --num-anchors "$ANCHORS" \
+      --target-layer-ids "$tl" "${markov[@]}" "${lr[@]}" "${data[@]}" $bench --batch-size "$BATCH" --num-anchors "$ANCHORS" \
       --epochs 100 --time-limit "$TOTAL_TRAIN_S" --stop-after "$stop" --save-every 60 --log-every 100 --eval-every 200 \
       --eval-sequences 256 --device "$DEVICE" $extra $(init_flags "$name") --json > "$DEV/train-$name.json" 2>> "$DEV/train-$name.log" &
     pids+=($!)
