@@ -11,6 +11,11 @@ exporters; exporters/constructed.py), where what the draft accepts is known in a
                the good half keeps drafting and the batch beats both the target alone and drafting
                everything.
 
+Both at two sizes (`--sizes`): "tiny" (hidden 64, 4 layers: a target step of under a millisecond, so
+a draft step with its fixed cost of a few milliseconds costs several target steps) and "small" (hidden
+512, 16 layers, the draft of one layer as wide: a target step costs several draft steps, as with every
+real pair; SmolLM2-135M is hidden 576, 30 layers).
+
 Per situation, one engine per configuration (target alone, constant 15 candidates, adaptive), each
 warmed up once; every round runs each configuration once, in turn, so all see the same machine.
 Reported: medians over rounds of generated tokens per second, the ratio to the target alone in the
@@ -19,6 +24,7 @@ every output equals the target's own.
 
     python benchmarks/bench_adaptive.py                 # both situations, 5 rounds
     python benchmarks/bench_adaptive.py --rounds 9 --max-new-tokens 256 --json out.json
+    python benchmarks/bench_adaptive.py --sizes small --rounds 3
 """
 
 from __future__ import annotations
@@ -69,11 +75,21 @@ class Measured:
     identical: bool = True
 
 
-def build(workdir: Path) -> dict[str, tuple[Path, Path, list[list[int]], list[list[int]]]]:
+# Config overrides of the targets per size (the drafts follow the target's width).
+SIZES = {
+    "tiny": {},
+    "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=16, num_attention_heads=8,
+                  num_key_value_heads=4, head_dim=64),  # fmt: skip
+}
+
+
+def build(workdir: Path, size: str = "tiny") -> dict[str, tuple[Path, Path, list[list[int]], list[list[int]]]]:
     """The two pairs: (target IR, draft IR, good prompts, bad prompts)."""
-    random_hf = make_tiny_target(workdir / "hf-random", "qwen3", seed=0)
-    random_draft = make_tiny_draft(workdir / "hf-random-draft", random_hf, kind="dflash", draft_block_size=16, seed=0)
-    chain_hf, succ = make_chain_target(workdir / "hf-chain")
+    overrides = SIZES[size]
+    random_hf = make_tiny_target(workdir / "hf-random", "qwen3", seed=0, **overrides)
+    random_draft = make_tiny_draft(workdir / "hf-random-draft", random_hf, kind="dflash", draft_block_size=16, seed=0,
+                                   num_layers=1 if overrides else 2)  # fmt: skip
+    chain_hf, succ = make_chain_target(workdir / "hf-chain", **overrides)
     zero_draft = make_scaled_draft(workdir / "hf-zero-draft", chain_hf, "dflash", 0.0, draft_block_size=16, num_layers=1)
     cycle, constant = chain_prompts(succ)
     texts = [list(range(10 + i, 40 + 3 * i)) for i in range(8)]  # ordinary ids of the tiny vocabulary
@@ -86,15 +102,16 @@ def build(workdir: Path) -> dict[str, tuple[Path, Path, list[list[int]], list[li
     }  # fmt: skip
 
 
-def situations(pairs) -> list[Situation]:
+def situations(pairs, size: str = "tiny") -> list[Situation]:
     target, draft, _, bad = pairs["nothing"]
     chain, zero, good, cycle = pairs["mixed"]
     return [
-        Situation("nothing accepted, c=1", target, draft, bad[:4], 1),
-        Situation("nothing accepted, c=8", target, draft, bad, 8),
+        Situation(f"{size}: nothing accepted, c=1", target, draft, bad[:4], 1),
+        Situation(f"{size}: nothing accepted, c=8", target, draft, bad, 8),
         # 32 requests, alternating, 8 in flight: a request that accepts everything ends quickly and
         # makes room for the next one.
-        Situation("mixed: half accept all, half none, c=8", chain, zero, [p for pair in zip(good * 4, cycle * 4) for p in pair], 8),
+        Situation(f"{size}: mixed, half accept all, half none, c=8", chain, zero,
+                  [p for pair in zip(good * 4, cycle * 4) for p in pair], 8),  # fmt: skip
     ]
 
 
@@ -144,15 +161,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--sizes", default="tiny,small", help="comma-separated, of: " + ", ".join(SIZES))
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
+    sizes = args.sizes.split(",")
+    if unknown := set(sizes) - set(SIZES):
+        parser.error(f"unknown size(s) {', '.join(sorted(unknown))}; choose from {', '.join(SIZES)}")
     with tempfile.TemporaryDirectory(prefix="dflash-bench-adaptive-") as tmp:
         print("building and exporting the constructed pairs ...", file=sys.stderr, flush=True)
-        pairs = build(Path(tmp))
+        all_situations = [s for size in sizes for s in situations(build(Path(tmp) / size, size), size)]
         report = {}
         print("| situation | config | tok/s (median) | vs target alone (median, range) | drafting | tau | = target |")
         print("| --- | --- | ---: | ---: | ---: | ---: | :---: |")
-        for situation in situations(pairs):
+        for situation in all_situations:
             measured = measure(situation, args.rounds, args.max_new_tokens)
             report[situation.name] = {name: vars(m) for name, m in measured.items()}
             for name, m in measured.items():

@@ -284,8 +284,19 @@ class AdaptiveSchedule:
     probe_candidates: int = 2
     probe_budget: float = 0.02  # the share of a paused request's time its probes may lose, on expectation
     min_gain: float = 0.05
-    # over (context rows, block rows, candidate rows)
-    draft_cost: LinearCost = field(default_factory=lambda: LinearCost(num_counts=3))
+    # At most this prior strength, requests differ so much (a draft that suits some prompts and fails on
+    # others) that a new request's first probe is worth more than its expected loss: it tells a request
+    # the engine-wide figure would keep paused that it should draft (`_probe`).
+    differ_strength: float = 2.0
+    recent_requests: int = 32  # finished requests whose acceptance still counts in prior_strength
+    # Where requests split into some that accept all and some that accept nothing, the moments give a
+    # strength near 0: a request's own first verifications then decide (at 1, one probe that accepted
+    # everything left the estimate halfway to an engine-wide 0.03, and the request stayed paused).
+    min_prior_strength: float = 0.25
+    # over (context rows, block rows, candidate rows); context rows optional: a draft that accepts
+    # nothing at c=1 reads 1 or 2 of them a step, which never varied enough for a fit, and the schedule
+    # explored (drafting 3 steps in 4) for over a thousand steps
+    draft_cost: LinearCost = field(default_factory=lambda: LinearCost(num_counts=3, optional=(0,)))
 
     def __post_init__(self) -> None:
         self.draft_cost.min_samples = self.min_steps
@@ -302,6 +313,8 @@ class AdaptiveSchedule:
         self._plain_seconds: dict[int, tuple[float, int]] = {}
         self._verify_seconds: dict[int, dict[int, tuple[float, int]]] = {}  # requests -> rows -> (mean, steps)
         self._seen_shapes: set[tuple[str, int]] = set()  # ("target" | "draft", rows) observed at least once
+        # (accepted, drafted) at the first position of recent finished requests (prior_strength)
+        self._finished: deque[tuple[float, float]] = deque(maxlen=self.recent_requests)
         self.num_decisions = 0  # (request, step) decisions made
         self.num_drafting = 0  # of them, with at least one candidate
 
@@ -385,7 +398,9 @@ class AdaptiveSchedule:
         return True
 
     def forget(self, req_id: str) -> None:
-        self._requests.pop(req_id, None)
+        state = self._requests.pop(req_id, None)
+        if state is not None and len(state.counts.drafted) and state.counts.drafted[0] >= self.min_evidence:
+            self._finished.append((float(state.counts.accepted[0]), float(state.counts.drafted[0])))
 
     # ---- the decision ----------------------------------------------------------------------------
 
@@ -438,21 +453,26 @@ class AdaptiveSchedule:
         method of moments, their binomial noise taken out): requests that all accept alike get a strong
         prior (one bad streak does not stop a request), requests that differ a lot (a draft that suits
         some prompts and not others) a weak one (each follows its own evidence). `prior_weight` until
-        `min_requests` requests have `min_evidence` verifications of their own."""
-        rates, noise = [], []
-        for state in self._requests.values():
-            drafted = float(state.counts.drafted[0]) if len(state.counts.drafted) else 0.0
-            if drafted >= self.min_evidence:
-                rate = float(state.counts.accepted[0]) / drafted
-                rates.append(rate)
-                noise.append(drafted)
+        `min_requests` requests have `min_evidence` verifications of their own: the running requests, or
+        where too few of them have, the `recent_requests` last finished ones too (in a batch where only
+        some requests draft, the paused ones gather no evidence, and the schedule forgot, request after
+        request, that they differ)."""
+        first = [(float(st.counts.accepted[0]), float(st.counts.drafted[0]))
+                 for st in self._requests.values() if len(st.counts.drafted)]  # fmt: skip
+        evidence = [(a, d) for a, d in first if d >= self.min_evidence]
+        if len(evidence) < self.min_requests:
+            evidence += [(a, d) for a, d in self._finished if d >= self.min_evidence]
+        rates = [a / d for a, d in evidence]
+        noise = [d for _, d in evidence]
         if len(rates) < self.min_requests:
             return self.prior_weight
         mean = sum(rates) / len(rates)
+        if mean * (1 - mean) < 1e-3:  # all accept nothing (or everything): alike
+            return 4 * self.prior_weight
         spread = sum((r - mean) ** 2 for r in rates) / len(rates)
         spread -= sum(mean * (1 - mean) / n for n in noise) / len(noise)  # what binomial noise alone gives
         spread = max(spread, 1e-4)
-        return min(max(mean * (1 - mean) / spread - 1, 1.0), 4 * self.prior_weight)
+        return min(max(mean * (1 - mean) / spread - 1, self.min_prior_strength), 4 * self.prior_weight)
 
     def _best(self, candidates: Sequence[Candidate], num_generating: int, offset: int,
               other_draft_rows: tuple[int, int, int], last_rows: int | None) -> dict[str, int]:  # fmt: skip
@@ -514,7 +534,17 @@ class AdaptiveSchedule:
 
     def _probe(self, candidates: Sequence[Candidate], ks: dict[str, int], num_generating: int, offset: int) -> None:
         """Paused requests try again now and then; a probe that did not bring drafting back waits
-        twice as long for the next one, and never less than its expected loss allows (`_probe_wait`)."""
+        twice as long for the next one, and never less than its expected loss allows (`_probe_wait`).
+
+        A request with no verification of its own is probed after `probe_after` steps whatever the loss
+        when requests differ (`differ_strength`), with its whole block: its estimate is then the
+        engine-wide figure, which says little about it, and a block pays only where most of its
+        positions are accepted, which only a whole block shows. Measured on a constructed batch where
+        half the requests accept every candidate and half none: without it the engine-wide 0.12 kept
+        every new request paused, and the good half never drafted (0% of request steps); with first
+        probes of 2 candidates, the positions after them kept the engine-wide ratio and the block did
+        not pay."""
+        differ = None  # computed once, if a request without evidence needs it
         for c in candidates:
             state = self._state(c.req_id)
             if ks[c.req_id]:
@@ -524,9 +554,12 @@ class AdaptiveSchedule:
                 state.probing = False
                 state.probe_after = min(2 * state.probe_after, self.max_probe_after)
             state.probe_after = state.probe_after or self.probe_after
-            wait = max(state.probe_after, self._probe_wait(c, num_generating, offset))
+            if state.counts.is_empty and differ is None:
+                differ = self.prior_strength() <= self.differ_strength
+            first = state.counts.is_empty and differ
+            wait = state.probe_after if first else max(state.probe_after, self._probe_wait(c, num_generating, offset))
             if state.steps_without + 1 >= wait and self._num_steps % wait == 0:
-                ks[c.req_id] = min(c.cap, self.probe_candidates)
+                ks[c.req_id] = c.cap if first else min(c.cap, self.probe_candidates)
                 state.probing = True
 
     def _probe_wait(self, c: Candidate, num_generating: int, offset: int) -> int:

@@ -89,11 +89,13 @@ def make_chain(weights: dict[str, torch.Tensor], succ: dict[int, int]) -> None:
     weights["lm_head.weight"] = head
 
 
-def make_chain_target(folder: Path, seed: int = 5, succ_seed: int = 1, family: str = "qwen3") -> tuple[Path, dict[int, int]]:
+def make_chain_target(folder: Path, seed: int = 5, succ_seed: int = 1, family: str = "qwen3",
+                      **config_overrides) -> tuple[Path, dict[int, int]]:  # fmt: skip
     """The chain target's Hugging Face folder and its successor map (`family` "qwen3_5_text": a hybrid
     chain target, its GatedDeltaNet layers silenced as well; Qwen3.5's final norm scales by 1 + weight,
-    a uniform 2 that leaves every argmax alone)."""
-    target = make_tiny_target(folder, family, seed=seed)
+    a uniform 2 that leaves every argmax alone). `config_overrides` (hidden_size, num_hidden_layers, ...)
+    make it larger: its silenced layers still cost their compute, so its steps cost what a real target's do."""
+    target = make_tiny_target(folder, family, seed=seed, **config_overrides)
     succ = chain_successors(json.loads((target / "config.json").read_text())["vocab_size"], seed=succ_seed)
     edit_weights(target, lambda w: make_chain(w, succ))
     return target, succ

@@ -318,9 +318,59 @@ def test_the_prior_is_weak_when_requests_differ_and_strong_when_they_accept_alik
         for index in range(6):
             differ.observe_verification(f"r{index}", 1, 1 if index % 2 else 0)  # half always, half never
             alike.observe_verification(f"r{index}", 1, 1 if (u + index / 6) % 1.0 < 0.45 else 0)  # all 0.45
-    assert differ.prior_strength() == 1.0  # each request follows its own evidence
+    assert differ.prior_strength() == differ.min_prior_strength  # each request follows its own evidence
     assert alike.prior_strength() >= 12.0
     assert AdaptiveSchedule().prior_strength() == AdaptiveSchedule().prior_weight  # too few requests to tell
+    none = AdaptiveSchedule()
+    for index in range(6):
+        accept(none, f"r{index}", [0.0], steps=10)
+    assert none.prior_strength() >= 12.0  # requests that all accept nothing are alike
+
+
+def test_finished_requests_still_tell_that_requests_differ():
+    """The spread of acceptance between requests counts the recent finished ones: in a batch where only
+    some requests draft, the running ones alone soon hold too little evidence to tell."""
+    schedule = AdaptiveSchedule()
+    for index in range(6):
+        accept(schedule, f"r{index}", [1.0 if index % 2 else 0.0], steps=10)
+        schedule.forget(f"r{index}")
+    assert schedule.prior_strength() == schedule.min_prior_strength
+    schedule.observe_verification("new", 1, 1)
+    assert schedule.estimate("new", 1)[0] > 0.75  # one verification of its own nearly decides
+
+
+def test_a_new_request_is_probed_with_its_whole_block_when_requests_differ():
+    """Where finished requests split into some that accepted everything and some nothing, the
+    engine-wide figure says little about a new request: it is probed within probe_after steps with its
+    whole block, whatever the probe's expected loss; among requests that accept alike it is not."""
+
+    def first_probe(acceptance_by_request: list[float]) -> tuple[int, int]:
+        # A costly probe: an 8 ms draft step against a 10 ms target step (the budget alone waits 64 steps).
+        schedule = fitted(target=(0.010, 0.0001), draft=(0.008, 0.0001), probe_after=4, max_probe_after=16)
+        for index, acceptance in enumerate(acceptance_by_request):
+            accept(schedule, f"old{index}", [acceptance] * 6, steps=10)
+            schedule.forget(f"old{index}")
+        for step in range(1, 400):
+            if k := schedule.plan([Candidate("new", 6)], num_generating=1)["new"]:
+                return step, k
+        return 400, 0
+
+    step, k = first_probe([1.0] + [0.0] * 7)  # engine-wide about 0.12 a position: not worth drafting
+    assert step <= 4 and k == 6
+    step, k = first_probe([0.0] * 8)  # alike: the budget's wait, and a short probe
+    assert step > 16 and k == AdaptiveSchedule.probe_candidates
+
+
+def test_the_draft_cost_is_fitted_when_context_rows_barely_vary():
+    """A draft that accepts nothing at c=1 reads 1 or 2 context rows a step: too little spread to fit a
+    context-row price, which must not keep the whole draft line unfitted (the schedule explores, drafting
+    3 steps in 4, until it is fitted)."""
+    schedule = AdaptiveSchedule(min_steps=4)
+    for step in range(24):
+        context, block = (2 if step % 5 == 0 else 1), (16, 9, 2)[step % 3]
+        schedule.observe_draft(context, block, block - 1, 0.002 + 0.0001 * block)
+    fit = schedule.draft_cost.fit()
+    assert fit is not None and fit[0] == pytest.approx(0.002, abs=2e-4)
 
 
 def test_a_position_drafted_long_ago_is_not_pinned_at_zero():
