@@ -207,6 +207,11 @@ class AcceptanceCounts:
     def is_empty(self) -> bool:
         return len(self.drafted) == 0
 
+    @property
+    def first_position(self) -> tuple[float, float]:
+        """(accepted, drafted) at the first block position, decayed; (0, 0) before any verification."""
+        return (float(self.accepted[0]), float(self.drafted[0])) if len(self.drafted) else (0.0, 0.0)
+
 
 def _ratio(prior: Sequence[float], i: int) -> float:
     return min(1.0, prior[i] / prior[i - 1]) if prior[i - 1] > 0 else 0.0
@@ -399,8 +404,8 @@ class AdaptiveSchedule:
 
     def forget(self, req_id: str) -> None:
         state = self._requests.pop(req_id, None)
-        if state is not None and len(state.counts.drafted) and state.counts.drafted[0] >= self.min_evidence:
-            self._finished.append((float(state.counts.accepted[0]), float(state.counts.drafted[0])))
+        if state is not None and state.counts.first_position[1] >= self.min_evidence:
+            self._finished.append(state.counts.first_position)
 
     # ---- the decision ----------------------------------------------------------------------------
 
@@ -457,11 +462,10 @@ class AdaptiveSchedule:
         where too few of them have, the `recent_requests` last finished ones too (in a batch where only
         some requests draft, the paused ones gather no evidence, and the schedule forgot, request after
         request, that they differ)."""
-        first = [(float(st.counts.accepted[0]), float(st.counts.drafted[0]))
-                 for st in self._requests.values() if len(st.counts.drafted)]  # fmt: skip
-        evidence = [(a, d) for a, d in first if d >= self.min_evidence]
+        running = [state.counts.first_position for state in self._requests.values()]
+        evidence = [(a, d) for a, d in running if d >= self.min_evidence]
         if len(evidence) < self.min_requests:
-            evidence += [(a, d) for a, d in self._finished if d >= self.min_evidence]
+            evidence += self._finished  # each with min_evidence (forget)
         rates = [a / d for a, d in evidence]
         noise = [d for _, d in evidence]
         if len(rates) < self.min_requests:
