@@ -86,7 +86,7 @@ def train(
     save_dtype: Annotated[SaveDtype, typer.Option("--save-dtype", help="Precision of the saved weights.")] = SaveDtype.float16,
     max_shard_mb: Annotated[Optional[float], typer.Option("--max-shard-mb", help="Split the weights into safetensors shards of at most this size.", show_default=False)] = None,
     log_every: Annotated[int, typer.Option("--log-every", help="Print loss, accuracy and tau every this many steps.")] = 50,
-    seed: Annotated[int, typer.Option("--seed", help="Seed for initialisation, anchors and batches.")] = 0,
+    seed: Annotated[int, typer.Option("--seed", help="Seed for initialisation, anchors and batches (and, with --data-only, the order of --text-from files and the self-instruct requests).")] = 0,
     device: Annotated[Optional[Device], typer.Option("--device", help="cuda or cpu (default: cuda when available).", show_default=False)] = None,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -200,7 +200,7 @@ def _text_data(o: SimpleNamespace, loaded, exclude, output: Output) -> tuple[dic
     from dflash.training.corpus import source_files, text_dataset
 
     path = o.save_data or o.output_dir / DATA_FILE
-    files = source_files(o.text_from)
+    files = source_files(o.text_from, seed=o.seed)
     with output.status(f"Cutting {len(files)} files into training stretches"):
         counts = text_dataset(loaded.tokenizer, files, path, max_tokens=o.text_tokens, exclude=exclude)
     output.success(f"{counts['sequences']} stretches, {counts['tokens']} tokens from {counts['files']} files "

@@ -23,9 +23,12 @@ SKIP_PARTS = {"test", "tests", "testing", "__pycache__", "idlelib", "lib2to3", "
               "locale", "licenses"}
 
 
-def source_files(roots: Sequence[str | Path], suffixes: Sequence[str] = SUFFIXES, max_bytes: int = 400_000) -> list[Path]:
-    """Files under `roots` with one of `suffixes`, outside test folders, at most `max_bytes`, in a seeded
-    shuffled order (a token limit then samples every package, not the alphabetically first)."""
+def source_files(
+    roots: Sequence[str | Path], suffixes: Sequence[str] = SUFFIXES, max_bytes: int = 400_000, *, seed: int = 0
+) -> list[Path]:
+    """Files under `roots` with one of `suffixes`, outside test folders, at most `max_bytes`, in an order
+    shuffled by `seed` (a token limit then samples every package, not the alphabetically first; another seed
+    gives a warm-started run other files)."""
     files = []
     for root in roots:
         root = Path(root)
@@ -44,7 +47,7 @@ def source_files(roots: Sequence[str | Path], suffixes: Sequence[str] = SUFFIXES
                 continue
             files.append(path)
     files = sorted(set(files))
-    random.Random(0).shuffle(files)
+    random.Random(seed).shuffle(files)
     return files
 
 

@@ -22,7 +22,8 @@
 # text/code tokens, 6000000), TOTAL_TRAIN_S (the schedule's length in training seconds, summed over calls, 680),
 # SELF_INSTRUCT (0: none; N > 0: each generator first has the target write N requests of its own (Magpie,
 # `dflash train --self-instruct`) and answers them greedily for up to SI_S seconds (GEN_S / 2), before the passes
-# above; their seeds are SI_SEED + generator, SI_SEED 200: give a warm-started run new requests with another), MARKOV_RANK (32), BATCH (16), ANCHORS (64), LR (the peak learning rate: dflash train's default when
+# above; their seeds are SI_SEED + generator, SI_SEED 200: give a warm-started run new requests with another), DATA_SEED (0: which stub files and prompts, and which
+# text files, a run answers and cuts; another value gives a warm-started run new code), MARKOV_RANK (32), BATCH (16), ANCHORS (64), LR (the peak learning rate: dflash train's default when
 # empty; lower it to anneal weights left mid-schedule by a lost machine); for a dry run elsewhere: PY (python3), DEVICE (cuda), PYROOT (where
 # the Python sources for text and stubs live).
 set -euo pipefail
@@ -46,6 +47,8 @@ INIT=${INIT:-}
 SELF_INSTRUCT=${SELF_INSTRUCT:-0}
 SI_S=${SI_S:-$((GEN_S / 2))}
 SI_SEED=${SI_SEED:-200}
+DATA_SEED=${DATA_SEED:-0}
+export DATA_SEED
 MARKOV_RANK=${MARKOV_RANK:-32}
 BATCH=${BATCH:-16}
 ANCHORS=${ANCHORS:-64}
@@ -199,7 +202,8 @@ from dflash.training.prompts import builtin_prompts, library_prompts
 dev, count, samples = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 paths = sysconfig.get_paths()
 root = os.environ.get("PYROOT") or " ".join(sorted({paths["stdlib"], paths["purelib"]}))
-stubs = library_prompts(root.split(), limit=int(os.environ.get("STUB_LIMIT", "40000")), seed=0, max_files=int(os.environ.get("STUB_FILES", "4000")))
+data_seed = int(os.environ.get("DATA_SEED", "0"))
+stubs = library_prompts(root.split(), limit=int(os.environ.get("STUB_LIMIT", "40000")), seed=data_seed, max_files=int(os.environ.get("STUB_FILES", "4000")))
 chat = builtin_prompts()
 
 def write(path, prompts):
@@ -209,11 +213,11 @@ def write(path, prompts):
 
 if samples == 0:  # one shuffled list of chat + stubs (the 2026-12-04 mix)
     prompts = chat + stubs
-    random.Random(0).shuffle(prompts)
+    random.Random(data_seed).shuffle(prompts)
     for i in range(count):
         write(f"{dev}/prompts{i}.jsonl", prompts[i::count])
 else:  # greedy: the shard's chat prompts, then its stubs; sampled: its chat prompts `samples` times, then its stubs
-    random.Random(0).shuffle(stubs)
+    random.Random(data_seed).shuffle(stubs)
     for i in range(count):
         mine, my_stubs = chat[i::count], stubs[i::count]
         write(f"{dev}/prompts{i}.jsonl", mine + my_stubs)
@@ -255,7 +259,7 @@ EOF
     roots+=(--text-from "$r")
   done
   "$PY" -m dflash.cli.train "$DEV/smollm2-hf" "$DEV/textgen" --data-only "${roots[@]}" \
-    --text-tokens "$TEXT_TOKENS" --save-data "$DEV/text.jsonl" --device cpu $bench --json > "$DEV/text.json" 2> "$DEV/text.log" &
+    --text-tokens "$TEXT_TOKENS" --save-data "$DEV/text.jsonl" --seed "$DATA_SEED" --device cpu $bench --json > "$DEV/text.json" 2> "$DEV/text.log" &
   pids+=($!)
   for pid in "${pids[@]}"; do wait "$pid"; done
   report "$DEV"/gen*.json "$DEV/text.json"
