@@ -304,6 +304,10 @@ class AdaptiveSchedule:
     draft_cost: LinearCost = field(default_factory=lambda: LinearCost(num_counts=3, optional=(0,)))
 
     def __post_init__(self) -> None:
+        for name in ("probe_after", "max_probe_after"):  # probes of several requests share steps (`_probe`)
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two, got {value}")
         self.draft_cost.min_samples = self.min_steps
         # per batch-size class (`batch_class`): seconds over (rows, reshaped) of steps that verified candidates
         self.target_costs: dict[int, LinearCost] = {}
@@ -480,6 +484,12 @@ class AdaptiveSchedule:
 
     def _best(self, candidates: Sequence[Candidate], num_generating: int, offset: int,
               other_draft_rows: tuple[int, int, int], last_rows: int | None) -> dict[str, int]:  # fmt: skip
+        ks = {c.req_id: 0 for c in candidates}
+        estimates = [(self.estimate(c.req_id, c.cap), c) for c in candidates]
+        top = max(q[0] if q else 0.0 for q, _ in estimates)
+        steady = last_rows if last_rows is not None else 0  # below this many rows, a slot may save the reshape
+        if top <= 0 and num_generating >= steady:
+            return ks  # nothing is expected to be accepted (a draft that accepts nothing): no costs to weigh
         t_fixed, t_row, t_reshape = self.target_cost(num_generating).fit()
         d_fixed, d_context, d_block, d_candidate = self.draft_cost.fit()
         measured = self._measured_verify_seconds(num_generating)
@@ -493,7 +503,6 @@ class AdaptiveSchedule:
         # the previous step's rows (and save the reshape).
         row_steps = [measured[rows + 1] - mean for rows, mean in measured.items() if rows + 1 in measured]
         cheapest = max(0.0, min([t_row, *row_steps])) + d_block + d_candidate
-        steady = last_rows if last_rows is not None else 0  # below this many rows, a slot may save the reshape
 
         def reshape(rows: int) -> float:
             return t_reshape if last_rows is not None and rows != last_rows else 0.0
@@ -509,10 +518,7 @@ class AdaptiveSchedule:
         # Stopping is not charged the reshape: it is paid once, and every later step without candidates
         # is cheaper (charged, a batch that drafted kept drafting where it did not pay: c=8, 0.89x).
         best_rate = num_generating / (self.plain_step_seconds(num_generating) + runs_anyway) * (1 + self.min_gain)
-        ks = {c.req_id: 0 for c in candidates}
-        estimates = [(self.estimate(c.req_id, c.cap), c) for c in candidates]
-        top = max(q[0] if q else 0.0 for q, _ in estimates)
-        if (top <= 0 or (cheapest > 0 and top / cheapest <= best_rate)) and num_generating >= steady:
+        if cheapest > 0 and top / cheapest <= best_rate and num_generating >= steady:
             return ks  # not even the likeliest candidate pays (most steps of a paused batch): no sort
         catch_up = {c.req_id: c.catch_up_rows(q) for q, c in estimates}
         slots = sorted(((q, c) for qs, c in estimates for q in qs), key=lambda slot: -slot[0])
@@ -558,6 +564,10 @@ class AdaptiveSchedule:
                 state.probing = False
                 state.probe_after = min(2 * state.probe_after, self.max_probe_after)
             state.probe_after = state.probe_after or self.probe_after
+            # Every wait is a power of two of at least probe_after (a power of two too): no probe can fall
+            # on this step, so the wait is not worked out (most steps of a paused request).
+            if state.steps_without + 1 < state.probe_after or self._num_steps % state.probe_after:
+                continue
             if state.counts.is_empty and differ is None:
                 differ = self.prior_strength() <= self.differ_strength
             first = state.counts.is_empty and differ
