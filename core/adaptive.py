@@ -251,7 +251,7 @@ class _RequestState:
     estimate_key: tuple = ()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one is built per request and step, and a frozen one costs 4x as much to build
 class Candidate:
     """A request the schedule may draft for this step."""
 
