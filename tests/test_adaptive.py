@@ -282,6 +282,14 @@ def test_a_paused_request_is_probed_with_waits_that_double():
     assert gaps == sorted(gaps) and gaps[0] >= 8 and gaps[-3:] == [16, 16, 16]  # waits double, up to the cap
 
 
+def test_probe_waits_must_be_powers_of_two():
+    # Probes of several requests share steps, and a step where none can fall skips the wait's pricing.
+    for bad in (dict(probe_after=6), dict(max_probe_after=100), dict(probe_after=0)):
+        with pytest.raises(ValueError, match="power of two"):
+            AdaptiveSchedule(**bad)
+    AdaptiveSchedule(probe_after=4, max_probe_after=16)
+
+
 def test_probes_wait_as_long_as_their_expected_loss_needs():
     """A probe's loss (its rows and draft step, less the tokens it is expected to bring) stays within
     probe_budget of the request's time: cheap probes keep probe_after, costly ones wait longer."""
