@@ -332,6 +332,18 @@ prepare_data() {  # the GGUF joined, Python ready, SmolLM2 materialized, the dat
   make_data
 }
 
+check_resumable() {  # before anything else: a machine that lost the run (a fresh one) has nothing to resume
+  local spec name
+  for spec in $DRAFTS; do
+    name=${spec%%:*}
+    if [ ! -f "$DEV/smollm2-hf/config.json" ] || [ ! -f "$DEV/$name/trainer_state.pt" ]; then
+      echo "error: nothing to resume for $name on this machine (no $DEV/$name/trainer_state.pt or target): the machine" \
+        "was given back since the last call; finish from the packed checkpoints with \`run\` (INIT, LR)" >&2
+      exit 5
+    fi
+  done
+}
+
 trap pack_logs EXIT
 case "$MODE" in
   stash)
@@ -359,6 +371,7 @@ case "$MODE" in
     log "done"
     ;;
   resume)
+    check_resumable
     setup_python
     log "training (resumed)"
     train_all --resume
