@@ -8,6 +8,7 @@ new checkpoint is exported into a folder of its own. No export runs here (the ex
 from __future__ import annotations
 
 import json
+import os
 
 from dflash.exporters import default_pair
 
@@ -39,7 +40,9 @@ def test_a_new_draft_checkpoint_is_exported_again(tmp_path, monkeypatch):
     assert calls == [f"{default_pair.TARGET_NAME}-{default_pair.TARGET_WEIGHT_FORMAT}", old.name]
     assert default_pair.ensure_default_pair("dflash").draft_dir == old and len(calls) == 2  # cached: no export
 
-    (source / "model.safetensors").write_bytes(b"new weights")  # the retrained draft, same config
+    (source / "model.safetensors").write_bytes(b"new weights")  # the retrained draft, same config and size
+    later = (source / "model.safetensors").stat().st_mtime_ns + 10**9  # installed later (the clock is coarse)
+    os.utime(source / "model.safetensors", ns=(later, later))
     new = default_pair.ensure_default_pair("dflash").draft_dir
     assert new != old and calls[-1] == new.name and len(calls) == 3
     (source / "training_info.json").write_text("{}")  # its report is part of the fingerprint too
@@ -50,3 +53,18 @@ def test_the_shipped_drafts_have_distinct_fingerprints():
     prints = {kind: default_pair._fingerprint(default_pair.DRAFTS_DIR / name) for kind, name in default_pair.DRAFTS.items()}
     assert len(set(prints.values())) == len(prints)
     assert all(len(p) == 16 for p in prints.values())
+
+
+def test_the_fingerprint_is_remembered_until_a_file_changes(tmp_path, monkeypatch):
+    source = tmp_path / "draft"
+    source.mkdir()
+    (source / "config.json").write_text("{}")
+    (source / "model.safetensors").write_bytes(b"weights")
+    hashed = []
+    real = default_pair._fingerprint
+    monkeypatch.setattr(default_pair, "_fingerprint", lambda folder: hashed.append(folder) or real(folder))
+    first = default_pair._remembered_fingerprint(source, tmp_path / "cache")
+    assert default_pair._remembered_fingerprint(source, tmp_path / "cache") == first and len(hashed) == 1
+    (source / "model.safetensors").write_bytes(b"other weights")  # another size
+    assert default_pair._remembered_fingerprint(source, tmp_path / "cache") == real(source) != first
+    assert len(hashed) == 2
