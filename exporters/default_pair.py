@@ -91,7 +91,7 @@ def _remembered_fingerprint(folder: Path, root: Path) -> str:
     """`_fingerprint`, remembered in `root` against the files' names, sizes and modification times:
     hashing the shipped weights (55 MB) cost 50-80 ms of every later run's start."""
     files = sorted(f for f in folder.glob("*") if f.is_file() and f.suffix in (".json", ".safetensors"))
-    signature = [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+    signature = [[f.name, stat.st_size, stat.st_mtime_ns] for f in files for stat in [f.stat()]]
     memo = root / f"{folder.name}.fingerprint.json"
     try:
         remembered = json.loads(memo.read_text())
