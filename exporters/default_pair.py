@@ -75,27 +75,38 @@ def ensure_default_pair(kind: str | None = DEFAULT_KIND, *, on_step: Callable[[s
     return DefaultPair(target_dir, draft_dir, kind)
 
 
+def _fingerprinted_files(folder: Path) -> list[Path]:
+    """The files a checkpoint's fingerprint covers: its config, reports and weights."""
+    return sorted(f for f in folder.glob("*") if f.is_file() and f.suffix in (".json", ".safetensors"))
+
+
 def _fingerprint(folder: Path) -> str:
     """A short hash of a checkpoint folder's config and weights (names and contents)."""
     import hashlib
 
     digest = hashlib.sha256()
-    for file in sorted(folder.glob("*")):
-        if file.is_file() and file.suffix in (".json", ".safetensors"):
-            digest.update(file.name.encode())
-            digest.update(file.read_bytes())
+    for file in _fingerprinted_files(folder):
+        digest.update(file.name.encode())
+        digest.update(file.read_bytes())
     return digest.hexdigest()[:16]
+
+
+# A file rewritten within this long of its recorded modification time may keep that time (the clock's
+# tick is coarse) and its size: a memo written so soon after is not trusted (git's "racily clean" rule).
+_RACY_NS = 10**9
 
 
 def _remembered_fingerprint(folder: Path, root: Path) -> str:
     """`_fingerprint`, remembered in `root` against the files' names, sizes and modification times:
     hashing the shipped weights (55 MB) cost 50-80 ms of every later run's start."""
-    files = sorted(f for f in folder.glob("*") if f.is_file() and f.suffix in (".json", ".safetensors"))
-    signature = [[f.name, stat.st_size, stat.st_mtime_ns] for f in files for stat in [f.stat()]]
+    files = _fingerprinted_files(folder)
+    stats = [f.stat() for f in files]
+    signature = [[f.name, stat.st_size, stat.st_mtime_ns] for f, stat in zip(files, stats)]
     memo = root / f"{folder.name}.fingerprint.json"
     try:
         remembered = json.loads(memo.read_text())
-        if remembered["files"] == signature:
+        newest = max((stat.st_mtime_ns for stat in stats), default=0)
+        if remembered["files"] == signature and memo.stat().st_mtime_ns > newest + _RACY_NS:
             return remembered["fingerprint"]
     except (OSError, ValueError, KeyError, TypeError):
         pass

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 from dflash.exporters import default_pair
 
@@ -41,8 +42,6 @@ def test_a_new_draft_checkpoint_is_exported_again(tmp_path, monkeypatch):
     assert default_pair.ensure_default_pair("dflash").draft_dir == old and len(calls) == 2  # cached: no export
 
     (source / "model.safetensors").write_bytes(b"new weights")  # the retrained draft, same config and size
-    later = (source / "model.safetensors").stat().st_mtime_ns + 10**9  # installed later (the clock is coarse)
-    os.utime(source / "model.safetensors", ns=(later, later))
     new = default_pair.ensure_default_pair("dflash").draft_dir
     assert new != old and calls[-1] == new.name and len(calls) == 3
     (source / "training_info.json").write_text("{}")  # its report is part of the fingerprint too
@@ -60,6 +59,9 @@ def test_the_fingerprint_is_remembered_until_a_file_changes(tmp_path, monkeypatc
     source.mkdir()
     (source / "config.json").write_text("{}")
     (source / "model.safetensors").write_bytes(b"weights")
+    installed = time.time_ns() - 60 * 10**9  # files installed a minute ago
+    for file in source.iterdir():
+        os.utime(file, ns=(installed, installed))
     hashed = []
     real = default_pair._fingerprint
     monkeypatch.setattr(default_pair, "_fingerprint", lambda folder: hashed.append(folder) or real(folder))
@@ -68,3 +70,9 @@ def test_the_fingerprint_is_remembered_until_a_file_changes(tmp_path, monkeypatc
     (source / "model.safetensors").write_bytes(b"other weights")  # another size
     assert default_pair._remembered_fingerprint(source, tmp_path / "cache") == real(source) != first
     assert len(hashed) == 2
+    # The same size again, at once, on a clock whose tick gives it the time just recorded: the memo,
+    # written within a second of that time, is not trusted.
+    recorded = (source / "model.safetensors").stat().st_mtime_ns
+    (source / "model.safetensors").write_bytes(b"newer weights")
+    os.utime(source / "model.safetensors", ns=(recorded, recorded))
+    assert default_pair._remembered_fingerprint(source, tmp_path / "cache") == real(source)
