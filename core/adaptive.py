@@ -408,8 +408,8 @@ class AdaptiveSchedule:
 
     def forget(self, req_id: str) -> None:
         state = self._requests.pop(req_id, None)
-        if state is not None and state.counts.first_position[1] >= self.min_evidence:
-            self._finished.append(state.counts.first_position)
+        if state is not None and (first := state.counts.first_position)[1] >= self.min_evidence:
+            self._finished.append(first)
 
     # ---- the decision ----------------------------------------------------------------------------
 
