@@ -10,8 +10,9 @@ one too):
 T and D are fitted on this engine's own measured steps (host work included): T = fixed + per row +
 per reshape (a step whose rows differ from the previous step's: OpenVINO prepares the graph for the
 new shape, ~5 ms of a 20 ms step at c=1 on an AVX2 CPU, so a block that changes size every step costs
-more than a steady one), over generation steps of the target that verified candidates; a row count
-already measured (steps that kept their shape) is priced at its own running mean instead, and not
+more than a steady one; a change of size is charged the reshape spread over the steps a shape has
+lasted lately, `shape_lifetime`), over generation steps of the target that verified candidates; a row
+count already measured (steps that kept their shape) is priced at its own running mean instead, and not
 drafting at the mean of the steps that verified none; D = fixed + per context row + per block row + per candidate
 row, over the draft's steps (a context row only writes the draft's keys and values, a block row
 runs every layer, and a candidate row also runs the vocabulary-wide lm_head, most of a small
@@ -302,6 +303,7 @@ class AdaptiveSchedule:
     # nothing at c=1 reads 1 or 2 of them a step, which never varied enough for a fit, and the schedule
     # explored (drafting 3 steps in 4) for over a thousand steps
     draft_cost: LinearCost = field(default_factory=lambda: LinearCost(num_counts=3, optional=(0,)))
+    shape_window: int = 32  # the latest target steps whose changes of shape tell how long a shape lasts
 
     def __post_init__(self) -> None:
         for name in ("probe_after", "max_probe_after"):  # probes of several requests share steps (`_probe`)
@@ -322,6 +324,7 @@ class AdaptiveSchedule:
         self._plain_seconds: dict[int, tuple[float, int]] = {}
         self._verify_seconds: dict[int, dict[int, tuple[float, int]]] = {}  # requests -> rows -> (mean, steps)
         self._seen_shapes: set[tuple[str, int]] = set()  # ("target" | "draft", rows) observed at least once
+        self._shape_changes: deque[bool] = deque(maxlen=self.shape_window)  # per generation step: reshaped
         # (accepted, drafted) at the first position of recent finished requests (prior_strength)
         self._finished: deque[tuple[float, float]] = deque(maxlen=self.recent_requests)
         self.num_decisions = 0  # (request, step) decisions made
@@ -351,6 +354,7 @@ class AdaptiveSchedule:
         and the schedule drafted 3.3 candidates a step where the constant 3 was faster).
 
         The first step of each row count is not used (`_first_of_shape`)."""
+        self._shape_changes.append(reshaped)
         if self._first_of_shape("target", rows):
             return
         if verified_candidates:
@@ -389,6 +393,18 @@ class AdaptiveSchedule:
         """What a target step pays for rows that differ from the previous step's (as of the latest fit)."""
         fit = self.target_cost(num_requests).fit()
         return fit[2] if fit is not None else 0.0
+
+    def shape_lifetime(self) -> float:
+        """How many steps a shape of the target's rows has lasted lately (the latest `shape_window` steps
+        over their changes of shape): what a reshape's price is spread over when a step changes shape.
+
+        A reshape is paid once and the new shape then serves the steps after it. Charged whole to the one
+        step that changes shape, a schedule stayed wherever it was: at c=1 on an AVX2 CPU, drafting 5
+        candidates (6 rows, 36 ms a step) where 3 (4 rows, 24 ms) brought more tokens per second, for
+        150 steps in a row, and paused requests whose 3 candidates would have paid (constant 3 beat it by
+        a quarter). Where the shape changes every step, the lifetime is one step and the whole price is
+        charged: the schedule cannot flip between sizes on every change of its estimates."""
+        return max(1.0, len(self._shape_changes) / max(1, sum(self._shape_changes)))
 
     def observe_draft(self, context_rows: int, block_rows: int, candidate_rows: int, seconds: float) -> None:
         """A draft step: its context rows, block rows and candidate rows (among the block rows), and seconds.
@@ -491,6 +507,7 @@ class AdaptiveSchedule:
         if top <= 0 and num_generating >= steady:
             return ks  # nothing is expected to be accepted (a draft that accepts nothing): no costs to weigh
         t_fixed, t_row, t_reshape = self.target_cost(num_generating).fit()
+        t_reshape /= self.shape_lifetime()  # paid once, spread over the steps the new shape is expected to last
         d_fixed, d_context, d_block, d_candidate = self.draft_cost.fit()
         measured = self._measured_verify_seconds(num_generating)
 
