@@ -129,6 +129,15 @@ class LLMEngine:
             self._pending.append(self._finish(self._tracked[req_id]))
             return True
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix, the target's and the draft's, so that the next requests
+        compute their prompts in full; only while no request runs. Returns whether it did."""
+        with self._lock:
+            if self.has_unfinished_requests():
+                return False
+            pools = [self.block_pool] + ([self.drafter.kv_cache_manager.pool] if self.has_draft else [])
+            return all([pool.reset_prefix_cache() for pool in pools])
+
     def has_unfinished_requests(self) -> bool:
         with self._lock:
             return self.scheduler.has_unfinished_requests() or bool(self._pending)
