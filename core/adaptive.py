@@ -324,7 +324,8 @@ class AdaptiveSchedule:
         self._plain_seconds: dict[int, tuple[float, int]] = {}
         self._verify_seconds: dict[int, dict[int, tuple[float, int]]] = {}  # requests -> rows -> (mean, steps)
         self._seen_shapes: set[tuple[str, int]] = set()  # ("target" | "draft", rows) observed at least once
-        self._shape_changes: deque[bool] = deque(maxlen=self.shape_window)  # per generation step: reshaped
+        # per batch-size class: whether each of the latest steps that verified candidates changed shape
+        self._shape_changes: dict[int, deque[bool]] = {}
         # (accepted, drafted) at the first position of recent finished requests (prior_strength)
         self._finished: deque[tuple[float, float]] = deque(maxlen=self.recent_requests)
         self.num_decisions = 0  # (request, step) decisions made
@@ -354,7 +355,9 @@ class AdaptiveSchedule:
         and the schedule drafted 3.3 candidates a step where the constant 3 was faster).
 
         The first step of each row count is not used (`_first_of_shape`)."""
-        self._shape_changes.append(reshaped)
+        if verified_candidates:
+            changes = self._shape_changes.setdefault(batch_class(num_requests), deque(maxlen=self.shape_window))
+            changes.append(reshaped)
         if self._first_of_shape("target", rows):
             return
         if verified_candidates:
@@ -394,17 +397,23 @@ class AdaptiveSchedule:
         fit = self.target_cost(num_requests).fit()
         return fit[2] if fit is not None else 0.0
 
-    def shape_lifetime(self) -> float:
-        """How many steps a shape of the target's rows has lasted lately (the latest `shape_window` steps
-        over their changes of shape): what a reshape's price is spread over when a step changes shape.
+    def shape_lifetime(self, num_requests: int = 1) -> float:
+        """How many steps the shape of a step that verifies candidates has lasted lately, for
+        `num_requests` requests (their batch-size class): the latest `shape_window` such steps over their
+        changes of shape. A drafting option whose rows differ from the previous step's is charged the
+        reshape spread over that many steps.
 
         A reshape is paid once and the new shape then serves the steps after it. Charged whole to the one
         step that changes shape, a schedule stayed wherever it was: at c=1 on an AVX2 CPU, drafting 5
         candidates (6 rows, 36 ms a step) where 3 (4 rows, 24 ms) brought more tokens per second, for
         150 steps in a row, and paused requests whose 3 candidates would have paid (constant 3 beat it by
-        a quarter). Where the shape changes every step, the lifetime is one step and the whole price is
-        charged: the schedule cannot flip between sizes on every change of its estimates."""
-        return max(1.0, len(self._shape_changes) / max(1, sum(self._shape_changes)))
+        a quarter). Only drafting steps count: a drafting option's shape lasts as long as drafting shapes
+        last, and at c=8, where each request's block moves the rows, they changed in 15-35% of drafting
+        steps against 1% of the steps that drafted nothing. Where the shape changes every step, the
+        lifetime is one step and the whole price is charged: the schedule cannot flip between sizes on
+        every change of its estimates."""
+        changes = self._shape_changes.get(batch_class(num_requests), ())
+        return max(1.0, len(changes) / max(1, sum(changes)))
 
     def observe_draft(self, context_rows: int, block_rows: int, candidate_rows: int, seconds: float) -> None:
         """A draft step: its context rows, block rows and candidate rows (among the block rows), and seconds.
@@ -507,7 +516,7 @@ class AdaptiveSchedule:
         if top <= 0 and num_generating >= steady:
             return ks  # nothing is expected to be accepted (a draft that accepts nothing): no costs to weigh
         t_fixed, t_row, t_reshape = self.target_cost(num_generating).fit()
-        t_reshape /= self.shape_lifetime()  # paid once, spread over the steps the new shape is expected to last
+        t_reshape /= self.shape_lifetime(num_generating)  # paid once, spread over the steps the new shape lasts
         d_fixed, d_context, d_block, d_candidate = self.draft_cost.fit()
         measured = self._measured_verify_seconds(num_generating)
 

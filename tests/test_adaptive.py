@@ -88,11 +88,13 @@ def test_an_optional_flag_is_fitted_while_it_varies_and_left_out_while_it_does_n
     assert required.fit() is None
 
 
-def shapes_last(schedule: AdaptiveSchedule, steps: int) -> None:
-    """The latest `shape_window` target steps change shape every `steps` steps (steps that verified
-    nothing and are not priced: only how long shapes last is recorded)."""
+def shapes_last(schedule: AdaptiveSchedule, steps: int, reshape: float, rows: int = 12, num_requests: int = 1) -> None:
+    """The latest `shape_window` target steps that verified candidates change shape every `steps` steps
+    (steps of `rows` rows on the line 10 ms + 2 ms a row, plus `reshape` where they change shape: the
+    fits stay as they are)."""
     for i in range(schedule.shape_window):
-        schedule.observe_target(1, 0.012, verified_candidates=False, reshaped=(i % steps == 0))
+        changed = i % steps == 0
+        schedule.observe_target(rows, 0.010 + 0.002 * rows + reshape * changed, reshaped=changed, num_requests=num_requests)
 
 
 def test_a_step_keeps_the_previous_steps_shape_unless_another_pays_for_the_reshape():
@@ -106,7 +108,7 @@ def test_a_step_keeps_the_previous_steps_shape_unless_another_pays_for_the_resha
     for rows in (2, 4, 9, 16):
         schedule.observe_target(rows, 0.010 + 0.002 * rows + 0.005, reshaped=True)
     assert schedule.reshape_seconds() == pytest.approx(0.005)
-    shapes_last(schedule, 1)
+    shapes_last(schedule, 1, 0.005)
     assert schedule.shape_lifetime() == 1.0
     accept(schedule, "a", [0.8, 0.6, 0.45, 0.3])
     for last_rows, expected in ((None, 3), (5, 4), (3, 2), (1, 4)):
@@ -137,10 +139,15 @@ def test_a_reshape_is_spread_over_the_steps_a_shape_lasts():
             schedule.observe_target(rows, seconds)
     assert schedule.reshape_seconds() == pytest.approx(0.010)
     accept(schedule, "a", [0.8, 0.6, 0.45, 0.3, 0.2])
-    shapes_last(schedule, 1)
+    shapes_last(schedule, 1, 0.010)
     assert schedule.plan([Candidate("a", 5)], num_generating=1, last_rows=6)["a"] == 5
-    shapes_last(schedule, schedule.shape_window)
+    shapes_last(schedule, schedule.shape_window, 0.010)
     assert schedule.shape_lifetime() == schedule.shape_window
+    for _ in range(schedule.shape_window):  # steps that drafted nothing do not count, even changing shape
+        schedule.observe_target(1, 0.022, verified_candidates=False, reshaped=True)
+    shapes_last(schedule, 1, 0.010, rows=8 + 12, num_requests=8)  # nor do the drafting steps of another batch-size class
+    schedule.observe_target(8, 0.026, verified_candidates=False, num_requests=8)
+    assert schedule.shape_lifetime() == schedule.shape_window and schedule.shape_lifetime(8) == 1.0
     assert schedule.plan([Candidate("a", 5)], num_generating=1, last_rows=6)["a"] == 2
 
 
