@@ -178,7 +178,7 @@ class _SettingRun:
 def _sweep(options: BenchOptions, config, report: BenchReport, progress: BenchProgress) -> None:
     """Every setting once per round, wave by wave in turn with the baseline at each concurrency, so
     that a setting and its baseline see the same machine (a load that changes during a run changes
-    both); the speedup is the median of the per-round ratios."""
+    both) and the same cold prefix cache; the speedup is the median of the per-round ratios."""
     engines = _load_engines(options, config, progress)
     first = next(iter(engines.values()))
     report.environment["target_precision"] = first.runner.precision
