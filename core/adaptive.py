@@ -303,7 +303,7 @@ class AdaptiveSchedule:
     # nothing at c=1 reads 1 or 2 of them a step, which never varied enough for a fit, and the schedule
     # explored (drafting 3 steps in 4) for over a thousand steps
     draft_cost: LinearCost = field(default_factory=lambda: LinearCost(num_counts=3, optional=(0,)))
-    shape_window: int = 32  # the latest target steps whose changes of shape tell how long a shape lasts
+    shape_window: int = 32  # the latest drafting steps (per batch-size class) that tell how long a shape lasts
 
     def __post_init__(self) -> None:
         for name in ("probe_after", "max_probe_after"):  # probes of several requests share steps (`_probe`)
