@@ -86,3 +86,6 @@ class NoDrafter:
 
     def forget(self, request: Request) -> None:
         pass
+
+    def reset_prefix_cache(self) -> bool:
+        return True

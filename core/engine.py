@@ -135,8 +135,7 @@ class LLMEngine:
         with self._lock:
             if self.has_unfinished_requests():
                 return False
-            pools = [self.block_pool] + ([self.drafter.kv_cache_manager.pool] if self.has_draft else [])
-            return all([pool.reset_prefix_cache() for pool in pools])
+            return all([self.block_pool.reset_prefix_cache(), self.drafter.reset_prefix_cache()])
 
     def has_unfinished_requests(self) -> bool:
         with self._lock:

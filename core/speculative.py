@@ -156,6 +156,10 @@ class DFlashDrafter:
         for schedule in self.schedules.values():
             schedule.forget(request.req_id)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the draft's cached prompt blocks (only while none is in use). Returns whether it did."""
+        return self.kv_cache_manager.pool.reset_prefix_cache()
+
     def step(self, target_step: TargetStep) -> Candidates:
         """Read a target step's committed rows; draft the next step's candidates."""
         start = time.perf_counter()
