@@ -146,7 +146,6 @@ def test_a_reshape_is_spread_over_the_steps_a_shape_lasts():
     for _ in range(schedule.shape_window):  # steps that drafted nothing do not count, even changing shape
         schedule.observe_target(1, 0.022, verified_candidates=False, reshaped=True)
     shapes_last(schedule, 1, 0.010, rows=8 + 12, num_requests=8)  # nor do the drafting steps of another batch-size class
-    schedule.observe_target(8, 0.026, verified_candidates=False, num_requests=8)
     assert schedule.shape_lifetime() == schedule.shape_window and schedule.shape_lifetime(8) == 1.0
     assert schedule.plan([Candidate("a", 5)], num_generating=1, last_rows=6)["a"] == 2
 
