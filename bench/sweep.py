@@ -37,7 +37,6 @@ import copy
 import itertools
 import statistics
 import time
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -364,30 +363,33 @@ class _Run:
 
 def run_with_concurrency(engine, prompts: Sequence[Prompt], params, concurrency: int,
                          on_finished: Callable[[int], None] | None = None) -> _Run:  # fmt: skip
-    """Run `prompts` keeping at most `concurrency` requests in the engine; results in prompt order.
+    """Run `prompts` with at most `concurrency` requests running at once; results in prompt order.
 
-    On any failure (Ctrl-C included) the requests in flight are aborted, so the engine stays usable.
+    Every prompt enters the engine's queue at once, as requests reach a server with a backlog: the
+    scheduler admits the next one as soon as one ends, and the adaptive schedule knows that a request
+    that ends early hands its place on (`core/adaptive.py`: a batch with nothing waiting drafts only
+    where that finishes it sooner). A queued prompt's time to first token counts its wait.
+    On any failure (Ctrl-C included) the unfinished requests are aborted, so the engine stays usable.
     """
-    queue = deque(enumerate(prompts))
-    in_flight: dict[str, int] = {}
+    unfinished: dict[str, int] = {}
     results: list = [None] * len(prompts)
     started = time.perf_counter()
-    try:
-        while queue or in_flight:
-            while queue and len(in_flight) < concurrency:
-                index, prompt = queue.popleft()
-                in_flight[engine.add_request(prompt, params)] = index
-            for output in engine.step():
-                if output.finished and output.req_id in in_flight:
-                    result = engine.result(output.req_id)
-                    results[in_flight.pop(output.req_id)] = result
-                    if on_finished is not None:
-                        on_finished(result.num_generated_tokens)
-    except BaseException:
-        for req_id in in_flight:
-            if engine.abort_request(req_id):
-                engine.result(req_id)  # forget it
-        raise
+    with engine.running_at_most(concurrency):
+        try:
+            for index, prompt in enumerate(prompts):
+                unfinished[engine.add_request(prompt, params)] = index
+            while unfinished:
+                for output in engine.step():
+                    if output.finished and output.req_id in unfinished:
+                        result = engine.result(output.req_id)
+                        results[unfinished.pop(output.req_id)] = result
+                        if on_finished is not None:
+                            on_finished(result.num_generated_tokens)
+        except BaseException:
+            for req_id in unfinished:
+                if engine.abort_request(req_id):
+                    engine.result(req_id)  # forget it
+            raise
     return _Run(results, started)
 
 

@@ -31,6 +31,8 @@ class TargetStep:
     hidden_states: the target's hidden rows of every scheduled row, in the same order (None without a draft).
     verdicts: per request that reached the end of its tokens, what was committed and accepted.
     num_rows, seconds: the target's rows and the wall time of the step so far (host work included).
+    num_waiting: requests the scheduler holds back for a place in the batch (0: the batch is closed,
+        its running requests are all there is to finish).
     """
 
     scheduled: Sequence[tuple[ScheduledRequest, Request | None]]
@@ -38,6 +40,7 @@ class TargetStep:
     verdicts: Mapping[str, Verdict]
     num_rows: int
     seconds: float
+    num_waiting: int = 0
 
     @property
     def is_generation(self) -> bool:

@@ -24,6 +24,8 @@ distributed as the target's own: candidates pass the speculative sampling rule.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import itertools
 import threading
 import time
@@ -137,6 +139,20 @@ class LLMEngine:
                 return False
             return all([self.block_pool.reset_prefix_cache(), self.drafter.reset_prefix_cache()])
 
+    @contextlib.contextmanager
+    def running_at_most(self, num_requests: int) -> Iterator[None]:
+        """Within the block, at most `num_requests` requests run at once (never more than the engine's
+        max_num_seqs); the others wait in the scheduler's queue, where the adaptive schedule sees that
+        a request that ends early hands its place on."""
+        with self._lock:
+            config = self.scheduler.config
+            self.scheduler.config = dataclasses.replace(config, max_num_seqs=min(num_requests, config.max_num_seqs))
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.scheduler.config = config
+
     def has_unfinished_requests(self) -> bool:
         with self._lock:
             return self.scheduler.has_unfinished_requests() or bool(self._pending)
@@ -171,7 +187,8 @@ class LLMEngine:
         target_out = self.runner.run(inputs)
         self.times.target_s += time.perf_counter() - start
         verdicts = self._verify(scheduled, target_out.logits)
-        return TargetStep(scheduled, target_out.hidden_states, verdicts, len(inputs.token_ids), time.perf_counter() - step_start)
+        return TargetStep(scheduled, target_out.hidden_states, verdicts, len(inputs.token_ids),
+                          time.perf_counter() - step_start, len(self.scheduler.waiting))  # fmt: skip
 
     def _verify(self, scheduled: list[tuple], logits: np.ndarray) -> dict[str, Verdict]:
         """What each request that reached the end of its tokens commits: one sampled (or greedy)

@@ -169,7 +169,8 @@ def test_a_measured_row_count_is_priced_at_its_own_mean_not_the_line():
 def test_each_batch_size_class_is_priced_on_its_own_steps():
     """A line fitted on steps of one request (5 ms a row) says no candidate pays at c=8; a step of 8
     requests is priced on its own class's steps: until it has them it explores (whole block, half, one,
-    none), and with them (1 ms a row) all 8 requests draft."""
+    none), and with them (1 ms a row) all 8 requests draft. A step of 5 requests, whose class has no
+    steps yet, is priced on the nearest larger class's line: it drafts at once, no exploring."""
     schedule = AdaptiveSchedule(min_steps=4, prior_weight=0.0)
     for rows, context in ((2, 1), (3, 4), (4, 2), (5, 9), (6, 3)) * 2:
         schedule.observe_target(rows, 0.010 + 0.005 * rows, num_requests=1)
@@ -184,6 +185,8 @@ def test_each_batch_size_class_is_priced_on_its_own_steps():
         schedule.observe_target(rows, 0.030 + 0.001 * rows, num_requests=8)
     assert schedule.target_cost(8).fit() == pytest.approx((0.030, 0.001, 0.0))
     assert all(k >= 1 for k in schedule.plan(requests, num_generating=8).values())
+    assert schedule.target_cost(5).fit() is None and schedule.price_line(5) is schedule.target_cost(8)
+    assert all(k >= 1 for _ in range(4) for k in schedule.plan(requests[:5], num_generating=5).values())
 
 
 def test_the_first_step_of_each_shape_is_not_measured():
@@ -266,6 +269,28 @@ def test_without_fitted_costs_it_explores_whole_half_single_and_empty_blocks():
     schedule = AdaptiveSchedule()
     sizes = [schedule.plan([Candidate("a", 15)], num_generating=1)["a"] for _ in range(8)]
     assert sorted(sizes[:4]) == [0, 1, 8, 15] and sizes[4:] == sizes[:4]
+
+
+def test_a_closed_batch_drafts_only_where_it_finishes_sooner():
+    """Target 10 ms + 1 ms a row, a cheap draft; request "good" accepts every candidate, "bad" none.
+    While requests wait for a place, drafting 3 for "good" pays (5 tokens in 16 ms against 2 in 12):
+    it ends early and hands its place on. In a closed batch where both have 100 tokens to go, "bad"
+    keeps the batch running 100 steps whatever "good" does: drafting would finish it in 1.23 s
+    (25 steps of 16 ms, then 75 of one request) against 1.2 s without. Where "bad" has only 10 to go,
+    "good" is the one the batch waits for, and drafting finishes it in 0.39 s against 1.11 s; where
+    "bad" has 95 to go, drafting would finish in 1.175 s against 1.195 s, less than `min_gain` sooner."""
+    schedule = fitted((0.010, 0.001), (0.0005, 0.0001), prior_weight=0.0)
+    accept(schedule, "good", [1.0, 1.0, 1.0])
+    accept(schedule, "bad", [0.0, 0.0, 0.0])
+
+    def plan(remaining_bad: int, closed: bool) -> dict[str, int]:
+        requests = [Candidate("good", 3, num_remaining_tokens=100), Candidate("bad", 3, num_remaining_tokens=remaining_bad)]
+        return schedule.plan(requests, num_generating=2, closed=closed)
+
+    assert plan(100, closed=False) == {"good": 3, "bad": 0}
+    assert plan(100, closed=True) == {"good": 0, "bad": 0}
+    assert plan(10, closed=True) == {"good": 3, "bad": 0}
+    assert plan(95, closed=True) == {"good": 0, "bad": 0}
 
 
 def test_zero_when_the_draft_fixed_cost_exceeds_any_gain():

@@ -415,6 +415,30 @@ def test_adaptive_schedule_is_lossless_and_stays_in_the_block(engines, mixed_ref
     assert_pools_full(engine)
 
 
+def test_the_adaptive_schedule_knows_whether_requests_wait_for_a_place(engines, mixed_reference):
+    """Three requests, two places: while the third waits, a request that ends early hands its place
+    on, and the schedule plans for throughput (closed=False); once nothing waits, the running requests
+    are all there is to finish (closed=True). Output stays the target's."""
+    engine = engines.get("mixed", "dspark_ctx", max_num_seqs=2)
+    adaptive = engine.drafter.adaptive
+    seen: list[tuple[bool, int]] = []
+
+    def spy(candidates, **kwargs):
+        seen.append((kwargs["closed"], len(engine.scheduler.waiting)))
+        return plan(candidates, **kwargs)
+
+    plan, adaptive.plan = adaptive.plan, spy
+    try:
+        texts = TEXTS[:3]
+        params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True, num_assistant_tokens_schedule="adaptive")
+        run = run_all(engine, texts, params)
+    finally:
+        del adaptive.plan  # the class's own again
+    assert [r.token_ids for r in run.results] == [mixed_reference[t] for t in texts]
+    assert all(closed == (waiting == 0) for closed, waiting in seen)
+    assert (False, 1) in seen and (True, 0) in seen
+
+
 class PausingSchedule:
     """The constant schedule, switched off on the steps where `on(step)` is false."""
 
