@@ -48,7 +48,14 @@ powers of two counted in engine steps, so the probes of several requests fall on
 share one draft inference.
 
 Until both lines are fitted (`min_steps` varied steps each) the schedule explores: the whole block,
-half of it, one candidate and none, step by step.
+half of it, one candidate and none twice, step by step (a step without candidates right after one with
+is a reshape, and only the second prices not drafting: with only the first, a batch size never measured
+its plain step while exploring, priced it on the line, about a fifth too high at c=8 on an AVX2 CPU,
+and drafted at 187 tokens/s where not drafting ran 214). Once the draft's line and the acceptance are
+known, a batch size whose class has no line yet is explored by one request alone (its block moves the
+rows all the same): at c=8, 4 to 7 requests generate only while a wave's prompts are read and at its
+end, and whole blocks for every one of them there cost 60-100 ms steps where a plain one took 25-35,
+in every round of a benchmark (the class gathered varied steps slowly).
 """
 
 from __future__ import annotations
@@ -399,30 +406,17 @@ class AdaptiveSchedule:
             self.target_costs[batch_class(num_requests)] = cost
         return cost
 
-    def price_line(self, num_requests: int) -> LinearCost:
-        """The line that prices a step of `num_requests` requests: its batch-size class's own once fitted;
-        until then the nearest larger class's that is fitted (a row costs no more in a larger batch, so
-        the schedule drafts and the class gathers its own steps); else its own, unfitted (the schedule
-        explores). A batch passes through classes it rarely fills: at c=8 on an AVX2 CPU, 4 to 7 requests
-        generate only while a wave's prompts are read and at its end, and exploring with whole blocks
-        each time cost 2-3 steps of 100 ms a wave of 8 (a plain step there: 35 ms)."""
-        own = self.target_cost(num_requests)
-        if own.fit() is None:
-            larger = [c for c in sorted(self.target_costs) if c > batch_class(num_requests)]
-            return next((self.target_costs[c] for c in larger if self.target_costs[c].fit() is not None), own)
-        return own
-
     def plain_step_seconds(self, rows: int) -> float:
         """Seconds of a target step of `rows` rows, one per request, that keeps the previous step's
         shape: measured, or from the line."""
         measured = self._plain_seconds.get(rows)
-        return measured[0] if measured is not None else self.price_line(rows).seconds(rows, 0)
+        return measured[0] if measured is not None else self.target_cost(rows).seconds(rows, 0)
 
     def verify_step_seconds(self, rows: int, num_requests: int = 1) -> float:
         """Seconds of a target step of `rows` rows for `num_requests` requests that verifies candidates
         and keeps the previous step's shape: measured (`_MIN_MEASURED` steps), or from the line."""
         measured = self._measured_verify_seconds(num_requests).get(rows)
-        return measured if measured is not None else self.price_line(num_requests).seconds(rows, 0)
+        return measured if measured is not None else self.target_cost(num_requests).seconds(rows, 0)
 
     def _measured_verify_seconds(self, num_requests: int) -> dict[int, float]:
         """rows -> mean seconds, of the row counts measured `_MIN_MEASURED` times for `num_requests` requests."""
@@ -431,7 +425,7 @@ class AdaptiveSchedule:
 
     def reshape_seconds(self, num_requests: int = 1) -> float:
         """What a target step pays for rows that differ from the previous step's (as of the latest fit)."""
-        fit = self.price_line(num_requests).fit()
+        fit = self.target_cost(num_requests).fit()
         return fit[2] if fit is not None else 0.0
 
     def shape_lifetime(self, num_requests: int = 1) -> float:
@@ -492,8 +486,11 @@ class AdaptiveSchedule:
         self._num_steps += 1
         if not candidates:
             return {}
-        if self.price_line(num_generating).fit() is None or self.draft_cost.fit() is None or self.engine_wide.is_empty:
+        if self.draft_cost.fit() is None or self.engine_wide.is_empty:
             ks = {c.req_id: self._explore(c.cap) for c in candidates}
+        elif self.target_cost(num_generating).fit() is None:  # a batch size not priced yet: one request explores
+            ks = dict.fromkeys((c.req_id for c in candidates), 0)
+            ks[candidates[0].req_id] = self._explore(candidates[0].cap)
         else:
             ks = self._best(candidates, num_generating, candidate_offset, other_draft_rows, last_rows)
             if closed and num_generating > 1 and any(ks.values()) and not self._finishes_sooner(candidates, ks, num_generating, candidate_offset):  # fmt: skip
@@ -509,7 +506,7 @@ class AdaptiveSchedule:
         return ks
 
     def _explore(self, cap: int) -> int:
-        return (cap, (cap + 1) // 2, 1, 0)[self._num_steps % 4]
+        return (cap, (cap + 1) // 2, 1, 0, 0)[self._num_steps % 5]
 
     def estimate(self, req_id: str, cap: int) -> list[float]:
         """q(0..cap-1) for one request: its own counts, the engine-wide figure as the prior."""
@@ -557,7 +554,7 @@ class AdaptiveSchedule:
         steady = last_rows if last_rows is not None else 0  # below this many rows, a slot may save the reshape
         if top <= 0 and num_generating >= steady:
             return ks  # nothing is expected to be accepted (a draft that accepts nothing): no costs to weigh
-        t_fixed, t_row, t_reshape = self.price_line(num_generating).fit()
+        t_fixed, t_row, t_reshape = self.target_cost(num_generating).fit()
         t_reshape /= self.shape_lifetime(num_generating)  # paid once, spread over the steps the new shape lasts
         d_fixed, d_context, d_block, d_candidate = self.draft_cost.fit()
         measured = self._measured_verify_seconds(num_generating)
@@ -629,7 +626,7 @@ class AdaptiveSchedule:
         if not known:
             return True  # nothing tells how long the batch lasts: the step's gain decides alone
         longest = max(known)
-        _, t_row, _ = self.price_line(num_generating).fit()
+        _, t_row, _ = self.target_cost(num_generating).fit()
         d_fixed, d_context, d_block, d_candidate = self.draft_cost.fit()
         # per request: (steps to finish, tokens a step, candidate rows, its draft rows a step)
         plain, drafting, catch_up = [], [], 0.0
@@ -644,7 +641,7 @@ class AdaptiveSchedule:
             else:
                 drafting.append((remaining, 0, 0.0))
         others = [(longest, 0, 0.0)] * max(num_generating - len(candidates), 0)
-        line = self.price_line(num_generating)
+        line = self.target_cost(num_generating)
 
         def plain_seconds(num_requests: int) -> float:  # measured, or this batch's line (its class may have none)
             measured = self._plain_seconds.get(num_requests)
@@ -699,7 +696,7 @@ class AdaptiveSchedule:
         costing a share of the step), probes that accept little cost more than they find and wait
         longer (measured: chat prompts at c=16 lost 15% while drafting 4% of request steps, mostly
         probes of two candidates)."""
-        _, t_row, t_reshape = self.price_line(num_generating).fit()
+        _, t_row, t_reshape = self.target_cost(num_generating).fit()
         d_fixed, d_context, d_block, d_candidate = self.draft_cost.fit()
         k = min(c.cap, self.probe_candidates)
         per_request = self.plain_step_seconds(num_generating) / max(num_generating, 1)  # seconds a request-step
