@@ -628,7 +628,7 @@ class AdaptiveSchedule:
         longest = max(known)
         _, t_row, _ = self.target_cost(num_generating).fit()
         d_fixed, d_context, d_block, d_candidate = self.draft_cost.fit()
-        # per request: (steps to finish, tokens a step, candidate rows, its draft rows a step)
+        # per request, without drafting and with the plan: (steps to finish, candidates a step, its draft seconds a step)
         plain, drafting, catch_up = [], [], 0.0
         for c in candidates:
             remaining = c.num_remaining_tokens or longest

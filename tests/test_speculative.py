@@ -406,10 +406,11 @@ def test_adaptive_schedule_is_lossless_and_stays_in_the_block(engines, mixed_ref
     max_k = engine.drafter.spec.max_candidates
     assert all(len(r.spec.drafted_per_position) <= max_k for r in run.results)
     adaptive = engine.drafter.adaptive
-    # the steps' costs reach the schedule (each shape from its second step on), steps whose rows
-    # changed flagged as such (exploration changes the block's size every step)
+    # the steps' costs reach the schedule (each shape measured from its second step on: in so short a
+    # run every draft step may be the first of its shape), steps whose rows changed flagged as such
+    # (exploration changes the block's size every step)
     observations = [o for cost in adaptive.target_costs.values() for o in cost.observations]
-    assert observations and adaptive.draft_cost.observations
+    assert observations and {model for model, _ in adaptive._seen_shapes} == {"target", "draft"}
     assert any(reshaped for (_, reshaped), _ in observations)
     assert engine.drafter.stats.num_decisions > 0
     assert_pools_full(engine)
