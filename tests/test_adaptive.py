@@ -293,6 +293,44 @@ def test_a_closed_batch_drafts_only_where_it_finishes_sooner():
     assert plan(95, closed=True) == {"good": 0, "bad": 0}
 
 
+def test_a_closed_batch_charges_the_spread_of_each_request_s_end(monkeypatch):
+    """Eight requests with 128 tokens to go; target 10 ms + 0.1 ms a row, a draft of 10 ms a step. A
+    request that accepts all three candidates or none, half the time each (1.38 tokens a candidate
+    block, as estimated), ends after a number of steps that varies a lot (sd about 4.6 of 54 steps),
+    and the batch waits for the latest: drafting does not finish it `min_gain` sooner, though the mean
+    says it would (and the step's rate says draft while requests wait). Requests accepting about as
+    much with less spread (0.9, 0.4, 0.2: sd about 2.8) still draft."""
+    import dflash.core.adaptive as adaptive
+
+    def plan(acceptance: list[float], closed: bool) -> int:
+        schedule = fitted((0.010, 0.0001), (0.010, 0.0), prior_weight=0.0)
+        requests = [f"r{i}" for i in range(8)]
+        for req_id in requests:
+            accept(schedule, req_id, acceptance)
+        ks = schedule.plan([Candidate(r, 3, num_remaining_tokens=128) for r in requests], num_generating=8, closed=closed)
+        assert len(set(ks.values())) == 1  # alike requests, one choice
+        return ks["r0"]
+
+    all_or_nothing, steady = [0.5, 0.5, 0.5], [0.9, 0.4, 0.2]
+    assert plan(all_or_nothing, closed=False) == 3
+    assert plan(all_or_nothing, closed=True) == 0
+    assert plan(steady, closed=True) == 3
+    monkeypatch.setattr(adaptive, "_latest_of", lambda n: 0.0)  # the means alone
+    assert plan(all_or_nothing, closed=True) == 3
+
+
+def test_steps_spread_and_latest_of_known_values():
+    from dflash.core.adaptive import _latest_of, _steps_spread
+
+    # A block of 1 accepted with probability 1/2: 1.5 tokens a step, Var(A) = 1/4; 150 tokens take
+    # 100 steps, variance 150 * 0.25 / 1.5^3 = 11.1.
+    assert _steps_spread([0.5], 150) == pytest.approx((150 * 0.25 / 1.5**3) ** 0.5)
+    assert _steps_spread([1.0, 1.0], 99) == 0.0 and _steps_spread([0.0, 0.0], 99) == 0.0
+    assert _latest_of(1) == 0.0
+    assert _latest_of(2) == pytest.approx(0.564, abs=0.03)  # E[max of 2 standard normals] = 1 / sqrt(pi)
+    assert _latest_of(8) == pytest.approx(1.424, abs=0.03)
+
+
 def test_zero_when_the_draft_fixed_cost_exceeds_any_gain():
     # Target: 10 ms + 0.1 ms a row; draft: 8 ms fixed. Acceptance 0.3 then 0.1: at best 1.4 tokens for
     # about 18 ms instead of 1 token for 10 ms.
