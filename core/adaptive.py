@@ -647,7 +647,7 @@ class AdaptiveSchedule:
         the batch's requests expects (`_latest_of`). On chat prompts at c=8 on a 4th-generation Xeon,
         where a full drafting step brought 6% more tokens a second than the target alone, the means alone
         promised a sooner end; the tail of requests that drew short blocks took 16% of every wave
-        (0.94x the target alone)."""
+        (0.94x the target alone in that run)."""
         known = [c.num_remaining_tokens for c in candidates if c.num_remaining_tokens > 0]
         if not known:
             return True  # nothing tells how long the batch lasts: the step's gain decides alone
