@@ -425,11 +425,13 @@ class AdaptiveSchedule:
             self.target_costs[batch_class(num_requests)] = cost
         return cost
 
-    def plain_step_seconds(self, rows: int) -> float:
+    def plain_step_seconds(self, rows: int, line: LinearCost | None = None) -> float:
         """Seconds of a target step of `rows` rows, one per request, that keeps the previous step's
-        shape: measured, or from the line."""
+        shape: measured, or from `line` (default: the line of that batch size's class)."""
         measured = self._plain_seconds.get(rows)
-        return measured[0] if measured is not None else self.target_cost(rows).seconds(rows, 0)
+        if measured is not None:
+            return measured[0]
+        return (self.target_cost(rows) if line is None else line).seconds(rows, 0)
 
     def verify_step_seconds(self, rows: int, num_requests: int = 1) -> float:
         """Seconds of a target step of `rows` rows for `num_requests` requests that verifies candidates
@@ -652,7 +654,8 @@ class AdaptiveSchedule:
         if not known:
             return True  # nothing tells how long the batch lasts: the step's gain decides alone
         longest = max(known)
-        _, t_row, _ = self.target_cost(num_generating).fit()
+        line = self.target_cost(num_generating)  # a smaller batch's class may have no line yet: this one prices it
+        _, t_row, _ = line.fit()
         d_fixed, d_context, d_block, d_candidate = self.draft_cost.fit()
         # per request, without drafting and with the plan: (steps to finish, candidates a step, its draft seconds a step)
         plain, drafting, catch_up = [], [], 0.0
@@ -670,11 +673,9 @@ class AdaptiveSchedule:
             else:
                 drafting.append((remaining, 0, 0.0))
         others = [(longest, 0, 0.0)] * max(num_generating - len(candidates), 0)
-        line = self.target_cost(num_generating)
 
-        def plain_seconds(num_requests: int) -> float:  # measured, or this batch's line (its class may have none)
-            measured = self._plain_seconds.get(num_requests)
-            return measured[0] if measured is not None else line.seconds(num_requests, 0)
+        def plain_seconds(num_requests: int) -> float:
+            return self.plain_step_seconds(num_requests, line)
 
         with_plan = catch_up + _seconds_to_finish(drafting + others, plain_seconds, t_row, d_fixed)
         return with_plan * (1 + self.min_gain) < _seconds_to_finish(plain + others, plain_seconds, t_row, d_fixed)

@@ -325,6 +325,8 @@ def test_steps_spread_and_latest_of_known_values():
     # A block of 1 accepted with probability 1/2: 1.5 tokens a step, Var(A) = 1/4; 150 tokens take
     # 100 steps, variance 150 * 0.25 / 1.5^3 = 11.1.
     assert _steps_spread([0.5], 150) == pytest.approx((150 * 0.25 / 1.5**3) ** 0.5)
+    # Two candidates, both or neither accepted: A is 0 or 2, Var(A) = 1; 100 tokens, 2 a step on average.
+    assert _steps_spread([0.5, 0.5], 100) == pytest.approx((100 * 1.0 / 2.0**3) ** 0.5)
     assert _steps_spread([1.0, 1.0], 99) == 0.0 and _steps_spread([0.0, 0.0], 99) == 0.0
     assert _latest_of(1) == 0.0
     assert _latest_of(2) == pytest.approx(0.564, abs=0.03)  # E[max of 2 standard normals] = 1 / sqrt(pi)
