@@ -86,7 +86,7 @@ def train(
     save_dtype: Annotated[SaveDtype, typer.Option("--save-dtype", help="Precision of the saved weights.")] = SaveDtype.float16,
     max_shard_mb: Annotated[Optional[float], typer.Option("--max-shard-mb", help="Split the weights into safetensors shards of at most this size.", show_default=False)] = None,
     log_every: Annotated[int, typer.Option("--log-every", help="Print loss, accuracy and tau every this many steps.")] = 50,
-    seed: Annotated[int, typer.Option("--seed", help="Seed for initialisation, anchors and batches (and, with --data-only, the order of --text-from files and the self-instruct requests).")] = 0,
+    seed: Annotated[int, typer.Option("--seed", help="Seed for initialisation, anchors and batches (and, with --data-only, the order of --text-from files and the self-instruct requests). The held-out split does not depend on it.")] = 0,
     device: Annotated[Optional[Device], typer.Option("--device", help="cuda or cpu (default: cuda when available).", show_default=False)] = None,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -293,7 +293,9 @@ def _train(loaded, data: list[Path], output_dir: Path, options, index, output: O
         from dflash.core.errors import InputError
 
         raise InputError("no training sequences are left after decontamination and dedup", "use more data")
-    train_set, eval_set = split_by_prompt(examples, eval_sequences, seed=options.seed)
+    # The held-out prompts do not depend on --seed: a run warm-started on the same data with another seed
+    # (a new batch order) holds out the same prompts, so nothing it held out before is trained on.
+    train_set, eval_set = split_by_prompt(examples, eval_sequences)
     train_groups = {e.prompt_key for e in train_set}
     assert not any(e.prompt_key in train_groups for e in eval_set), "hold-out by prompt leaked"
     by_source: dict[str, int] = {}

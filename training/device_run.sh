@@ -11,6 +11,10 @@
 #                                         #   $DRAFTS in parallel until the call's deadline (warm-started from $INIT),
 #                                         #   pack checkpoints + logs into $OUT
 #   bash training/device_run.sh resume   # later calls: the same drafts, `dflash train --resume`, until the deadline
+#   bash training/device_run.sh again    # later calls: a new schedule (TOTAL_TRAIN_S: this call's), warm-started from
+#                                         #   the weights the previous call left, on the same data and held-out split,
+#                                         #   another batch order (SEED): every call's weights end annealed (lr 0), so a
+#                                         #   machine lost between calls loses no more than the call that was not sent
 #
 # Knobs (environment): DRAFTS (name:kind:layers:target_layers:block, space separated), INIT (name=checkpoint dir in
 # the checkout, space separated: `run` passes it as --init-from; the dir must travel with that call), CALL_S (seconds
@@ -28,7 +32,7 @@
 # the Python sources for text and stubs live).
 set -euo pipefail
 
-MODE=${1:?usage: device_run.sh stash|data|run|resume}
+MODE=${1:?usage: device_run.sh stash|data|run|resume|again}
 REPO=$(pwd)
 DEV=${DFLASH_DEV_DIR:-/root/dflash-dev}  # outside the checkout: kept while the machine stays held
 GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
@@ -53,6 +57,7 @@ MARKOV_RANK=${MARKOV_RANK:-32}
 BATCH=${BATCH:-16}
 ANCHORS=${ANCHORS:-64}
 LR=${LR:-}
+SEED=${SEED:-0}  # `again`: the batch order's seed (give each `again` call another); the held-out split ignores it
 PY=${PY:-python3}
 DEVICE=${DEVICE:-cuda}
 OUT=${OUT:-$DEV/out}
@@ -266,8 +271,9 @@ EOF
   touch "$DEV/data.done"
 }
 
-init_flags() {  # --init-from for draft $1 when INIT names it (`run` only: a resumed run has its weights)
+init_flags() {  # --init-from for draft $1 when INIT names it (`run`), or the previous call's weights (`again`)
   local entry
+  if [ "$MODE" = again ]; then echo "--init-from $DEV/$1.prev --seed $SEED"; return 0; fi
   [ "$MODE" = run ] || return 0
   for entry in $INIT; do
     if [ "${entry%%=*}" = "$1" ]; then echo "--init-from $(init_dir "${entry#*=}")"; fi
@@ -378,8 +384,21 @@ case "$MODE" in
     pack
     log "done"
     ;;
+  again)
+    check_resumable
+    setup_python
+    for spec in $DRAFTS; do  # the previous call's fp16 checkpoint, the warm start of this call's run
+      name=${spec%%:*}
+      rm -rf "$DEV/$name.prev" && mkdir -p "$DEV/$name.prev"
+      cp "$DEV/$name"/config.json "$DEV/$name"/*.safetensors "$DEV/$name.prev/"
+    done
+    log "training (again, a new schedule of $TOTAL_TRAIN_S s from the last call's weights, seed $SEED)"
+    train_all
+    pack
+    log "done"
+    ;;
   *)
-    echo "usage: device_run.sh stash|data|run|resume" >&2
+    echo "usage: device_run.sh stash|data|run|resume|again" >&2
     exit 2
     ;;
 esac
