@@ -392,3 +392,25 @@ def test_cli_rejects_markov_head_on_dflash(root, target_src, data_file):
 def test_cli_help_has_examples():
     result = CliRunner().invoke(_app(), ["train", "--help"])
     assert result.exit_code == 0 and "Examples:" in result.output and "dflash train" in result.output
+
+
+def test_cli_holds_out_the_same_prompts_whatever_the_seed(root, target, target_src):
+    """A warm-started run on the same data with another --seed (another batch order, as `device_run.sh again`
+    gives each call) must hold out the same prompts, or sequences held out before would be trained on."""
+    from dflash.training.trainer import load_state
+
+    data = root / "data30.jsonl"
+    generate_dataset(target, builtin_prompts(30), data, max_new_tokens=8, batch_size=10)
+    held_out = {}
+    for seed in (0, 1):
+        out = root / f"seed{seed}"
+        result = CliRunner().invoke(
+            _app(),
+            ["train", str(target_src), str(out), "--data", str(data), "--steps", "1", "--num-anchors", "2",
+             "--block-size", "3", "--eval-sequences", "3", "--seed", str(seed), "--device", "cpu",
+             "--decontaminate", "none", "--json"],
+        )
+        assert result.exit_code == 0, result.output
+        held_out[seed] = load_state(out)["data"]
+    assert held_out[0]["eval_sequences"] == 3
+    assert held_out[0] == held_out[1]
