@@ -196,12 +196,52 @@ def test_init_from_starts_from_the_checkpoint_weights(root, target, examples):
     assert fresh.eval_before.loss != pytest.approx(source.eval_after.loss, rel=1e-5)
 
 
+def test_init_from_a_shallower_draft_grows_it_without_changing_what_it_computes(root, target, examples):
+    # A 3-layer draft from the 1-layer one (issue 11, draft size): at step 0 the held-out figures are the
+    # source's, the source layer sits at position 0 and the two new ones are copies of it whose output
+    # projections are zero; training then moves those projections.
+    train_set, eval_set = examples[:-2], examples[-2:]
+    source = train_draft(target, train_set, root / "grow-src", _options(steps=6), eval_examples=eval_set)
+    layer_ids = tuple(json.loads((root / "grow-src" / "config.json").read_text())["dflash_config"]["target_layer_ids"])
+    deeper = _options(steps=6, num_layers=3, target_layer_ids=layer_ids)
+    grown = train_draft(target, train_set, root / "grown", deeper, eval_examples=eval_set,
+                        init_from=root / "grow-src", stop_after_steps=0)
+    assert grown.eval_before.tau == pytest.approx(source.eval_after.tau, abs=1e-6)
+    assert grown.eval_before.loss == pytest.approx(source.eval_after.loss, rel=1e-5)
+    before, after = source.model.state_dict(), grown.model.state_dict()
+    assert sum(name.startswith("model.layers.2.") for name in after) == sum(name.startswith("model.layers.0.") for name in before)
+    for name, tensor in before.items():
+        torch.testing.assert_close(after[name], tensor)  # layer 0 and everything outside the layers
+        if name.startswith("model.layers.0."):
+            for position in (1, 2):
+                copied = after[name.replace("layers.0.", f"layers.{position}.")]
+                if name.endswith(("o_proj.weight", "down_proj.weight")):
+                    assert not copied.any()
+                else:
+                    torch.testing.assert_close(copied, tensor)
+    trained = train_draft(target, train_set, root / "grown2", deeper, eval_examples=eval_set,
+                          init_from=root / "grow-src")
+    assert trained.model.state_dict()["model.layers.1.mlp.down_proj.weight"].abs().sum() > 0
+    assert json.loads((root / "grown2" / "config.json").read_text())["num_hidden_layers"] == 3
+
+
+def test_grow_layers_spreads_the_source_layers_evenly():
+    from dflash.training.trainer import grow_layers
+
+    weights = {f"layers.{i}.mlp.down_proj.weight": torch.full((2, 2), float(i + 1)) for i in range(3)}
+    weights |= {f"layers.{i}.mlp.up_proj.weight": torch.full((2, 2), float(i + 1)) for i in range(3)}
+    grown = grow_layers(weights | {"norm.weight": torch.ones(2)}, 3, 5)
+    assert [grown[f"layers.{p}.mlp.up_proj.weight"][0, 0].item() for p in range(5)] == [1, 1, 2, 2, 3]
+    assert [grown[f"layers.{p}.mlp.down_proj.weight"][0, 0].item() for p in range(5)] == [1, 0, 2, 0, 3]
+    assert "norm.weight" in grown and len(grown) == 11
+
+
 def test_init_from_refuses_another_draft_and_resume(root, target, examples):
     from dflash.core.errors import InputError
 
-    train_draft(target, examples, root / "init-src", _options(steps=2))
-    for overrides, field in ((dict(num_layers=2), "num_hidden_layers 1 there, 2 here"),
-                             (dict(block_size=5), "draft_block_size 4 there, 5 here"),
+    train_draft(target, examples, root / "init-src", _options(steps=2, num_layers=2))
+    for overrides, field in ((dict(num_layers=1), "num_hidden_layers 2 there, 1 here"),
+                             (dict(num_layers=2, block_size=5), "draft_block_size 4 there, 5 here"),
                              (dict(kind="dspark", block_size=4), "kind dflash there, dspark here")):
         with pytest.raises(InputError, match=f"--init-from .* is another draft: .*{field}"):
             train_draft(target, examples, root / "init-bad", _options(steps=2, **overrides), init_from=root / "init-src")

@@ -749,15 +749,42 @@ def init_weights(path: str | Path, config) -> dict[str, torch.Tensor]:
         raise InputError(f"--init-from {path}: no draft checkpoint there (config.json is missing)",
                          hint="point --init-from at a folder `dflash train` wrote")
     source = load_draft_config(path)
-    differ = [name for name in _INIT_FIELDS if getattr(source, name) != getattr(config, name)]
+    differ = [name for name in _INIT_FIELDS if getattr(source, name) != getattr(config, name)
+              and not (name == "num_hidden_layers" and source.num_hidden_layers < config.num_hidden_layers)]
     if differ:
         raise InputError(
             f"--init-from {path} is another draft: "
             + ", ".join(f"{name} {getattr(source, name)} there, {getattr(config, name)} here" for name in differ),
-            hint="train with the checkpoint's --kind, --num-layers, --target-layer-ids, --block-size and --markov-rank",
+            hint="train with the checkpoint's --kind, --target-layer-ids, --block-size and --markov-rank, and at least "
+                 "its --num-layers",
         )
     weights = load_draft_weights(path, source)
+    if config.num_hidden_layers > source.num_hidden_layers:
+        weights = grow_layers(weights, source.num_hidden_layers, config.num_hidden_layers)
     return {name if name.startswith("markov_head.") else f"model.{name}": tensor for name, tensor in weights.items()}
+
+
+def grow_layers(weights: dict[str, torch.Tensor], have: int, want: int) -> dict[str, torch.Tensor]:
+    """A draft's weights (names without `model.`) grown from `have` to `want` layers, computing the same function.
+
+    The `have` layers keep their order, spread evenly over the `want` positions (3 -> 5: at 0, 2, 4); each new
+    layer is a copy of the layer before it with its attention output and MLP down projections zeroed, so it
+    adds nothing to the residual stream until training moves those (block expansion, as LLaMA Pro grows a
+    model). A deeper draft warm-started this way starts at the shallower draft's acceptance.
+    """
+    placed = {round(i * (want - 1) / (have - 1)) if have > 1 else 0: i for i in range(have)}
+    grown = {name: tensor for name, tensor in weights.items() if not name.startswith("layers.")}
+    source = 0
+    for position in range(want):
+        new = position not in placed
+        source = source if new else placed[position]
+        prefix = f"layers.{source}."
+        for name, tensor in weights.items():
+            if name.startswith(prefix):
+                rest = name[len(prefix):]
+                zero = new and rest.startswith(("self_attn.o_proj.", "mlp.down_proj."))
+                grown[f"layers.{position}.{rest}"] = torch.zeros_like(tensor) if zero else tensor.clone()
+    return grown
 
 
 def _progress(step: int, total_steps: int, trained_s: float, time_limit_s: float | None) -> float:
