@@ -23,7 +23,7 @@
 # answers (T 0.8) with the time left; N > 0: per generator, a greedy pass over its share of the built-in chat prompts
 # then its stubs for GREEDY_S seconds (GEN_S / 2), then N sampled passes over its chat prompts, then its stubs),
 # STUB_LIMIT (function stubs to answer, 40000), STUB_FILES (files they come from, 4000), TEXT_TOKENS (real
-# text/code tokens, 6000000), TOTAL_TRAIN_S (the schedule's length in training seconds, summed over calls, 680),
+# text/code tokens, 6000000), TOTAL_TRAIN_S (the schedule's length in training seconds, summed over calls, 680), PACK (the drafts whose checkpoints come back, space separated: all of DRAFTS when empty; what comes back is about 64 MiB at most),
 # SELF_INSTRUCT (0: none; N > 0: each generator first has the target write N requests of its own (Magpie,
 # `dflash train --self-instruct`) and answers them greedily for up to SI_S seconds (GEN_S / 2), before the passes
 # above; their seeds are SI_SEED + generator, SI_SEED 200: give a warm-started run new requests with another), DATA_SEED (0: which stub files and prompts, and which
@@ -321,6 +321,7 @@ pack() {  # the fp16 checkpoints (not the resumable state: it stays on the machi
   rm -f "$OUT"/*.tar.gz* 2>/dev/null || true
   for spec in $DRAFTS; do
     name=${spec%%:*}
+    case " ${PACK:-$name} " in *" $name "*) ;; *) continue ;; esac  # PACK: only these come back (logs always do)
     [ -d "$DEV/$name" ] && tar -C "$DEV" -czf "$OUT/$name.tar.gz" --exclude trainer_state.pt --exclude 'trainer_state.pt.tmp' --exclude train_data.jsonl "$name"
   done
   # What comes back is at most 16 MiB a file: split anything larger (join with cat).
