@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from ._errors import handled_errors
+from ._errors import debug_enabled, handled_errors
 from ._options import (
     DebugOpt,
     DraftVocabSizeOpt,
@@ -64,8 +65,11 @@ def export(
     output = Output(json_mode=json_output, quiet=quiet)
     with handled_errors(output, debug=debug):
         from dflash.exporters.pair import export_models
+        from dflash.exporters.staging import quiet_libraries
 
-        with output.status(f"Exporting {model}") as on_step:
+        # dflash's own progress and warnings only (other libraries' deprecations, CUDA probes, progress
+        # bars and NNCF tables are dropped); --debug keeps everything
+        with output.status(f"Exporting {model}") as on_step, nullcontext() if debug_enabled(debug) else quiet_libraries():
             result = export_models(
                 model,
                 output_dir,

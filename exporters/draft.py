@@ -23,7 +23,7 @@ from dflash.exporters.draft_checkpoint import load_draft_weights
 from dflash.exporters.draft_config import DraftConfig, load_draft_config
 from dflash.exporters.draft_model import DraftModel, draft_model_from_weights
 from dflash.exporters.markov_head import markov_head_from_weights, save_markov_head
-from dflash.exporters.staging import check_output_dir, publish, saving, staging_dir
+from dflash.exporters.staging import check_output_dir, publish, quiet_nncf, saving, staging_dir, stdout_to_stderr
 
 from . import interrupts
 from .tracing import name_ports, trace_and_convert
@@ -262,15 +262,16 @@ def compress_draft_weights(ov_model, config: DraftConfig, weight_format: str, st
     import nncf
 
     step(f"compressing weights to {weight_format} (NNCF)")
-    if weight_format == "int8":
-        return nncf.compress_weights(ov_model, mode=nncf.CompressWeightsMode.INT8_ASYM)
-    return nncf.compress_weights(
-        ov_model,
-        mode=nncf.CompressWeightsMode.INT4_ASYM,
-        group_size=_int4_group_size(config),
-        ratio=1.0,
-        all_layers=True,
-    )
+    with stdout_to_stderr(), quiet_nncf():  # NNCF's tables and progress bar: not on stdout (--json)
+        if weight_format == "int8":
+            return nncf.compress_weights(ov_model, mode=nncf.CompressWeightsMode.INT8_ASYM)
+        return nncf.compress_weights(
+            ov_model,
+            mode=nncf.CompressWeightsMode.INT4_ASYM,
+            group_size=_int4_group_size(config),
+            ratio=1.0,
+            all_layers=True,
+        )
 
 
 def _int4_group_size(config: DraftConfig) -> int:

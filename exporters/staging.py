@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, redirect_stderr, redirect_stdout
@@ -231,6 +232,29 @@ def saving(output_dir: Path) -> Iterator[None]:
             f"cannot write the export beside {output_dir}: {lines[-1] if lines else type(exc).__name__}",
             f"check the folder's permissions and free space; {_unchanged(output_dir)}",
         ) from exc
+
+
+@contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """optimum, NNCF and rich print progress to stdout; keep stdout for the CLI's data (--json)."""
+    with redirect_stdout(sys.stderr):
+        yield
+
+
+@contextmanager
+def quiet_nncf() -> Iterator[None]:
+    """NNCF logs its bit-width tables at INFO through a handler bound to the real stdout (which no
+    redirect reaches): below WARNING they are dropped while NNCF runs."""
+    import logging
+
+    from nncf.common.logging.logger import nncf_logger
+
+    previous = nncf_logger.level
+    nncf_logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        nncf_logger.setLevel(previous)
 
 
 # Libraries whose loggers chatter during an export (deprecation notes, CUDA probes, bit-width tables).

@@ -22,12 +22,10 @@ Stages, in order (each announced through `on_step`):
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import sys
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +47,7 @@ from .hybrid import (
     use_position_ids_for_rope,
 )
 from .roles import detect_role, read_source_config
-from .staging import check_output_dir, disk_full_error, publish, saving, staging_dir
+from .staging import check_output_dir, disk_full_error, publish, quiet_nncf, saving, staging_dir, stdout_to_stderr
 
 __all__ = ["WEIGHT_FORMATS", "detect_role", "export_target"]
 
@@ -176,7 +174,7 @@ def _convert(model: str | Path, staging: Path, ov_config: Any, trust_remote_code
     from optimum.exporters.openvino import main_export
 
     try:
-        with _stdout_to_stderr():
+        with stdout_to_stderr():
             main_export(
                 str(model),
                 staging,
@@ -241,7 +239,7 @@ def _compress(ov_model: ov.Model, quantization_config: Any, weight_format: str) 
     from optimum.intel.openvino.quantization import _weight_only_quantization
 
     try:
-        with _stdout_to_stderr(), _quiet_nncf():
+        with stdout_to_stderr(), quiet_nncf():
             return _weight_only_quantization(ov_model, quantization_config)
     except Exception as exc:  # noqa: BLE001 - every NNCF failure becomes one ExportError
         raise ExportError(
@@ -265,7 +263,7 @@ def _convert_tokenizer(staging: Path, trust_remote_code: bool) -> None:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(staging, trust_remote_code=trust_remote_code)
-        with _stdout_to_stderr():
+        with stdout_to_stderr():
             export_tokenizer(tokenizer, staging, task=TASK)
     except Exception as exc:  # noqa: BLE001 - the model is usable without OpenVINO tokenizer models
         warnings.warn(
@@ -273,28 +271,6 @@ def _convert_tokenizer(staging: Path, trust_remote_code: bool) -> None:
             "OpenVINO GenAI needs it, dflash uses the Hugging Face tokenizer files",
             stacklevel=3,
         )
-
-
-@contextlib.contextmanager
-def _stdout_to_stderr() -> Iterator[None]:
-    """optimum, NNCF and rich print progress to stdout; keep stdout for the CLI's data (--json)."""
-    with contextlib.redirect_stdout(sys.stderr):
-        yield
-
-
-@contextlib.contextmanager
-def _quiet_nncf() -> Iterator[None]:
-    """NNCF logs its bit-width tables at INFO through a handler bound to the real stdout."""
-    import logging
-
-    from nncf.common.logging.logger import nncf_logger
-
-    previous = nncf_logger.level
-    nncf_logger.setLevel(logging.WARNING)
-    try:
-        yield
-    finally:
-        nncf_logger.setLevel(previous)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -274,3 +274,28 @@ def test_quiet_libraries_drops_other_libraries_output_but_not_dflashs(capsys):
     for noise in ("torch_dtype", "CUDA", "Python boolean", "GGUF", "Weight Compression"):
         assert noise not in captured.err
     assert logging.getLogger("transformers").level == level  # restored
+
+
+def test_export_with_nncf_keeps_stdout_for_json_and_stderr_for_dflash(tmp_path):
+    # `dflash export DRAFT OUT --weight-format int8 --json`: NNCF logs its bit-width table through a
+    # handler bound to the real stdout, so the JSON document was preceded by it; and torch's CUDA probe
+    # wrote to stderr. A subprocess, since no in-process capture reaches that handler.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    target_hf = make_tiny_target(tmp_path / "hf-target", "qwen3", seed=3, num_hidden_layers=2)
+    draft_hf = make_tiny_draft(tmp_path / "hf-draft", target_hf, kind="dflash", draft_block_size=4, seed=11, num_layers=1)
+    program = str(Path(sys.executable).with_name("dflash"))
+    done = subprocess.run([program, "export", str(draft_hf), str(tmp_path / "json"), "--weight-format", "int8", "--json"],
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["draft"] == str(tmp_path / "json")  # the whole of stdout is the document
+    assert done.stderr == ""
+    done = subprocess.run([program, "export", str(draft_hf), str(tmp_path / "text"), "--weight-format", "int8"],
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == ""
+    assert "compressing weights to int8 (NNCF)" in done.stderr
+    for noise in ("INFO:nncf", "bitwidth", "CUDA", "Applying Weight Compression"):
+        assert noise not in done.stderr, done.stderr
