@@ -29,7 +29,7 @@ import json
 import os
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -103,12 +103,15 @@ def text_target_config(config: dict[str, Any]) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def text_target_source(model: str | Path, config: dict[str, Any]) -> Iterator[tuple[str | Path, dict[str, Any]]]:
+def text_target_source(
+    model: str | Path, config: dict[str, Any], note: Callable[[str], None] | None = None
+) -> Iterator[tuple[str | Path, dict[str, Any]]]:
     """(checkpoint, config) to export as the target: `model` itself, or a VLM's language model staged.
 
     For a vision-language checkpoint (VLM_TEXT_TARGETS) a temporary folder holds the text config
     (`text_target_config`) and links to every other file but the processors' configs; it is removed
-    on exit. Says on stderr, in one line, that the vision tower is left out.
+    on exit. Says in one line that the vision tower is left out: through `note` (the export's progress
+    callback, which the CLI keeps while it silences other libraries), else on stderr.
     """
     if config.get("model_type") not in VLM_TEXT_TARGETS:
         yield model, config
@@ -121,11 +124,12 @@ def text_target_source(model: str | Path, config: dict[str, Any]) -> Iterator[tu
         for item in source.iterdir():
             if item.name not in _VISION_ONLY_FILES and not item.name.startswith("."):
                 os.symlink(item.resolve(), staged / item.name)
-        print(
-            f"note: {model} is a vision-language {config['model_type']} checkpoint: exporting its language "
-            f"model as a {text['model_type']} target; the vision tower is left out",
-            file=sys.stderr,
-        )
+        message = (f"note: {model} is a vision-language {config['model_type']} checkpoint: exporting its language "
+                   f"model as a {text['model_type']} target; the vision tower is left out")
+        if note is not None:
+            note(message)
+        else:
+            print(message, file=sys.stderr)
         yield staged, text
 
 

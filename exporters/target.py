@@ -98,7 +98,7 @@ def export_target(
     if is_hybrid_config(config):
         require_hybrid_export_support(config)
 
-    with staging_dir(output_dir) as stage, text_target_source(model, config) as (source, source_config):
+    with staging_dir(output_dir) as stage, text_target_source(model, config, on_step) as (source, source_config):
         work = stage / ".convert"  # optimum-intel's own output; the final files go to `stage`
         ov_model = _converted_model(source, source_config, work, output_dir, weight_format, trust_remote_code, step)
         with interrupts.deferred(), saving(output_dir):
