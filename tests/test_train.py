@@ -371,6 +371,7 @@ def test_cli_generates_trains_and_saves(root, target_src):
     assert summary["generation"]["sequences"] == 3 and summary["training"]["steps"] == 3
     assert [Path(p) for p in summary["data"]] == [out / "train_data.jsonl"]
     assert load_draft_config(out).markov_rank == 4
+    assert "Loading weights" not in result.stderr  # transformers' progress bar while the target loads: not dflash's
 
 
 def test_cli_rejects_two_data_sources(root, target_src, data_file):

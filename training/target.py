@@ -61,13 +61,16 @@ def load_target(path: str | Path, device: torch.device, *, trust_remote_code: bo
     """Load the causal LM in `path` (bf16 on cuda, fp32 on cpu), frozen, in eval mode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from dflash.exporters.staging import quiet_libraries
+
     path = Path(path)
     if not (path / "config.json").is_file():
         raise InputError(f"no config.json in {path}", hint="pass the target's local Hugging Face folder")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+        with quiet_libraries():  # transformers' weight-loading bar and notes: not dflash's progress
+            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelFormatError(
             f"cannot load the target in {path}: {exc}".splitlines()[0],
