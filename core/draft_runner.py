@@ -20,7 +20,7 @@ from dflash.core.draft_format import draft_vocab_problem, read_draft_metadata
 
 from .errors import ModelFormatError
 from .graph import graft_embedding, graft_lm_head, insert_logits_gather, logits_output
-from .model_runner import PagedModel, read_ov_model
+from .model_runner import BINDINGS_LOCK, PagedModel, read_ov_model
 from .paged import SequenceSlice, to_paged_attention
 
 CONTEXT_ROW = 0
@@ -49,17 +49,18 @@ class DraftRunner(PagedModel):
         device: str = "CPU",
         ov_config: dict[str, str] | None = None,
     ):
-        model = draft if isinstance(draft, ov.Model) else read_ov_model(draft)
-        self.spec = read_draft_metadata(model)  # the draft's contract: mask token, layers, block, offset
-        target = read_ov_model(target_dir)  # a throwaway copy: its weight subgraphs move to the draft
-        _check_widths(model, target)
-        self.vocab_size = _vocab_size(target)
-        self.vocab_ids = _draft_vocab(self.spec.draft_vocab, self.vocab_size)
-        graft_embedding(model, target)
-        graft_lm_head(model, target, self.vocab_ids)
-        del target
-        to_paged_attention(model)
-        insert_logits_gather(model)
+        with BINDINGS_LOCK:  # one thread in OpenVINO's bindings at a time (model_runner.BINDINGS_LOCK)
+            model = draft if isinstance(draft, ov.Model) else read_ov_model(draft)
+            self.spec = read_draft_metadata(model)  # the draft's contract: mask token, layers, block, offset
+            target = read_ov_model(target_dir)  # a throwaway copy: its weight subgraphs move to the draft
+            _check_widths(model, target)
+            self.vocab_size = _vocab_size(target)
+            self.vocab_ids = _draft_vocab(self.spec.draft_vocab, self.vocab_size)
+            graft_embedding(model, target)
+            graft_lm_head(model, target, self.vocab_ids)
+            del target
+            to_paged_attention(model)
+            insert_logits_gather(model)
         super().__init__(model, device=device, ov_config=ov_config)
 
     @property

@@ -9,6 +9,7 @@ state tables they index (core/state_pool.py).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -86,6 +87,14 @@ def read_ov_model(model_dir: str | Path) -> ov.Model:
     return ov.Core().read_model(path)
 
 
+# The engine prepares the draft on another thread while it prepares the target (loading.py). OpenVINO's
+# Python bindings can deadlock when two threads call them at once: one, holding the GIL, waits for a C++
+# static that the other is initializing, which waits for the GIL (seen as a `dflash generate` that hung
+# in `_fold_constant` on both threads). Graph work, tensors and requests go through the bindings one
+# thread at a time; compile_model, which releases the GIL and is most of the time, runs in parallel.
+BINDINGS_LOCK = threading.Lock()
+
+
 class PagedModel:
     """A compiled PagedAttention model, its KV caches and one infer request (shared by both runners).
 
@@ -94,13 +103,15 @@ class PagedModel:
     """
 
     def __init__(self, model: ov.Model, *, device: str, ov_config: dict[str, str] | None):
+        """Compile `model` (prepared under BINDINGS_LOCK, which the caller no longer holds)."""
         self.compiled = ov.Core().compile_model(model, device, compile_properties(ov_config))
-        self.layout: KVCacheLayout = read_kv_cache_layout(self.compiled)
-        self.kv_block_size = self.layout.kv_block_size
-        self.num_blocks = 0
-        self.infer_seconds = 0.0
-        self._request = self.compiled.create_infer_request()
-        self._tensors = RequestTensors(self._request, self.compiled)
+        with BINDINGS_LOCK:
+            self.layout: KVCacheLayout = read_kv_cache_layout(self.compiled)
+            self.kv_block_size = self.layout.kv_block_size
+            self.num_blocks = 0
+            self.infer_seconds = 0.0
+            self._request = self.compiled.create_infer_request()
+            self._tensors = RequestTensors(self._request, self.compiled)
 
     @property
     def bytes_per_block(self) -> int:
@@ -114,8 +125,9 @@ class PagedModel:
 
     def allocate_cache(self, num_blocks: int) -> None:
         """Allocate the KV caches once; the plugin writes into them in place."""
-        for name, tensor in allocate_kv_caches(self.layout, num_blocks).items():
-            self._request.set_tensor(name, tensor)
+        with BINDINGS_LOCK:
+            for name, tensor in allocate_kv_caches(self.layout, num_blocks).items():
+                self._request.set_tensor(name, tensor)
         self.num_blocks = num_blocks
 
     def _infer(self, seqs: list[SequenceSlice], rows: dict[str, np.ndarray], sample_rows: np.ndarray) -> None:
@@ -149,21 +161,23 @@ class TargetRunner(PagedModel):
         ov_config: dict[str, str] | None = None,
         hidden_layer_ids: Sequence[int] = (),
     ):
-        model = read_ov_model(model_dir)
-        layer_outputs = []
-        if hidden_layer_ids:
-            from dflash.core.hidden_states import hidden_state_outputs
+        with BINDINGS_LOCK:
+            model = read_ov_model(model_dir)
+            layer_outputs = []
+            if hidden_layer_ids:
+                from dflash.core.hidden_states import hidden_state_outputs
 
-            # Resolved on the exported graph; the producers keep their names through the transformation.
-            layer_outputs = hidden_state_outputs(model, hidden_layer_ids)
-        info = to_paged_attention(model)
-        state_tables = state_table_names(info.other_inputs, model)  # [] unless a hybrid target
-        insert_logits_gather(model)
-        self.has_hidden_states = bool(layer_outputs)
-        if layer_outputs:
-            add_hidden_states_output(model, layer_outputs)
+                # Resolved on the exported graph; the producers keep their names through the transformation.
+                layer_outputs = hidden_state_outputs(model, hidden_layer_ids)
+            info = to_paged_attention(model)
+            state_tables = state_table_names(info.other_inputs, model)  # [] unless a hybrid target
+            insert_logits_gather(model)
+            self.has_hidden_states = bool(layer_outputs)
+            if layer_outputs:
+                add_hidden_states_output(model, layer_outputs)
         super().__init__(model, device=device, ov_config=ov_config)
-        self.state_tables = StateTables(self.compiled, state_tables) if state_tables else None
+        with BINDINGS_LOCK:
+            self.state_tables = StateTables(self.compiled, state_tables) if state_tables else None
 
     @property
     def is_hybrid(self) -> bool:
@@ -172,7 +186,8 @@ class TargetRunner(PagedModel):
 
     def allocate_state(self, num_blocks: int) -> None:
         """Allocate a hybrid target's state tables once (zeroed), as `allocate_cache` does the KV caches."""
-        self.state_tables.allocate(self._request, num_blocks)
+        with BINDINGS_LOCK:
+            self.state_tables.allocate(self._request, num_blocks)
 
     def run(self, step: StepInputs) -> StepOutputs:
         rows = {"input_ids": step.token_ids, **step.state_inputs} if step.state_inputs else {"input_ids": step.token_ids}

@@ -459,3 +459,33 @@ def test_openvino_telemetry_is_off_unless_asked_for(keep):
     assert patched == str(not keep)
     if not keep:
         assert consent == "False"
+
+
+# ---- loading: one thread in OpenVINO's bindings at a time -------------------------------------------------
+
+
+def test_loading_prepares_graphs_under_the_bindings_lock_and_compiles_outside_it(models, monkeypatch):
+    # The engine prepares the draft on another thread while it prepares the target. Two threads in
+    # OpenVINO's Python bindings at once deadlocked a `dflash generate` (both in `_fold_constant`, each
+    # waiting for what the other held: the GIL, a C++ static being initialized); it hung until killed.
+    # The race is rare, so the test checks the rule that prevents it: every graph transformation and
+    # cache allocation runs holding BINDINGS_LOCK, and the compilations (most of the time) do not.
+    from dflash.core import draft_runner, loading, model_runner
+    from dflash.core.config import EngineConfig
+
+    held: dict[str, list[bool]] = {"transform": [], "allocate": [], "compile": []}
+
+    def recording(name, function):
+        def wrapper(*args, **kwargs):
+            held[name].append(model_runner.BINDINGS_LOCK.locked())
+            return function(*args, **kwargs)
+        return wrapper
+
+    for module in (model_runner, draft_runner):
+        monkeypatch.setattr(module, "to_paged_attention", recording("transform", module.to_paged_attention))
+    monkeypatch.setattr(model_runner, "allocate_kv_caches", recording("allocate", model_runner.allocate_kv_caches))
+    monkeypatch.setattr(model_runner, "compile_properties", recording("compile", model_runner.compile_properties))
+    pipelines = loading.load_pipelines(models["target"], models["draft"], EngineConfig())
+    assert pipelines.drafter.runner is not None
+    assert held["transform"] == [True, True] and held["allocate"] == [True, True]
+    assert held["compile"] == [False, False]
