@@ -45,9 +45,9 @@ def load_pipelines(model_dir: Path, draft_dir: str | Path | None, config: Engine
         markov = load_markov_head(draft_dir, draft_model, device=config.device, ov_config=config.ov_config,
                                   vocab_size=model_config.get("vocab_size"))  # fmt: skip
     metadata = read_draft_metadata(draft_model) if draft_model is not None else None
-    # The draft is prepared and compiled, and the tokenizer read, on other threads while the target is
-    # (OpenVINO releases the GIL while it transforms and compiles): a later run's start is mostly these
-    # two compilations.
+    # The draft is prepared and compiled, and the tokenizer read, on other threads while the target is:
+    # the two compilations overlap (OpenVINO releases the GIL while it compiles), the graph work before
+    # them takes turns (model_runner.BINDINGS_LOCK). A later run's start is mostly these compilations.
     with ThreadPoolExecutor(max_workers=2) as pool:
         tokenizer = pool.submit(load_tokenizer, model_dir)
         draft_runner = None if draft_model is None else pool.submit(_compiled_draft, draft_model, model_dir, config)
