@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 
 from dflash.exporters.draft_checkpoint import load_draft_weights
 from dflash.exporters.draft_config import load_draft_config
-from dflash.training.trainer import grow_layers
+from dflash.training.trainer import grow_layers, source_layer_positions
 
 
 def main() -> None:
@@ -39,7 +39,7 @@ def main() -> None:
     have = config.num_hidden_layers
     weights = grow_layers(load_draft_weights(args.source, config), have, args.layers)
     if not args.exact:
-        sources = {round(i * (args.layers - 1) / (have - 1)) if have > 1 else 0 for i in range(have)}
+        sources = source_layer_positions(have, args.layers)
         generator = torch.Generator().manual_seed(0)
         for name, tensor in weights.items():
             if name.startswith("layers.") and int(name.split(".")[1]) not in sources and tensor.dim() == 2:

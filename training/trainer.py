@@ -764,6 +764,12 @@ def init_weights(path: str | Path, config) -> dict[str, torch.Tensor]:
     return {name if name.startswith("markov_head.") else f"model.{name}": tensor for name, tensor in weights.items()}
 
 
+def source_layer_positions(have: int, want: int) -> dict[int, int]:
+    """Where `grow_layers` puts a `have`-layer draft's layers among `want`: position -> source layer,
+    spread evenly (3 -> 5: 0, 2, 4); the other positions hold new layers."""
+    return {round(i * (want - 1) / (have - 1)) if have > 1 else 0: i for i in range(have)}
+
+
 def grow_layers(weights: dict[str, torch.Tensor], have: int, want: int) -> dict[str, torch.Tensor]:
     """A draft's weights (names without `model.`) grown from `have` to `want` layers, computing the same function.
 
@@ -772,7 +778,7 @@ def grow_layers(weights: dict[str, torch.Tensor], have: int, want: int) -> dict[
     adds nothing to the residual stream until training moves those (block expansion, as LLaMA Pro grows a
     model). A deeper draft warm-started this way starts at the shallower draft's acceptance.
     """
-    placed = {round(i * (want - 1) / (have - 1)) if have > 1 else 0: i for i in range(have)}
+    placed = source_layer_positions(have, want)
     grown = {name: tensor for name, tensor in weights.items() if not name.startswith("layers.")}
     source = 0
     for position in range(want):
