@@ -71,10 +71,21 @@ def insert_logits_gather(model: ov.Model) -> str:
     return SAMPLED_ROWS_INPUT
 
 
-def add_hidden_states_output(model: ov.Model, layer_outputs: Sequence[ov.Output]) -> str:
-    """One extra result: the given layer outputs concatenated on the last axis. Returns its name."""
+def add_hidden_states_output(
+    model: ov.Model, layer_outputs: Sequence[ov.Output], element_type: ov.Type | None = None
+) -> str:
+    """One extra result: the given layer outputs concatenated on the last axis. Returns its name.
+
+    element_type: the result's type, when it should not be the graph's (f32). Give the plugin's 16-bit
+    inference precision: the CPU plugin keeps every op upstream of an f32 result in f32 up to the
+    nearest MatMul, and the residual stream links each tapped layer down to the embedding, so an f32
+    tap kept the whole residual stream of a bf16 target in f32 (a reorder around every MatMul, +3% a
+    step) and made it compute differently from the same target without the tap.
+    """
     if not layer_outputs:
         raise ValueError("no hidden-state layers to expose")
+    if element_type is not None:
+        layer_outputs = [ops.convert(output, element_type).output(0) for output in layer_outputs]
     value = layer_outputs[0] if len(layer_outputs) == 1 else ops.concat(list(layer_outputs), -1).output(0)
     result = ops.result(value)
     result.output(0).set_names({HIDDEN_STATES_OUTPUT})

@@ -80,6 +80,29 @@ def pack_target_rows(scheduled: Sequence[tuple], block_table: Callable[[str], li
     )
 
 
+_HALF_PRECISIONS = {"bf16": ov.Type.bf16, "bfloat16": ov.Type.bf16, "f16": ov.Type.f16, "fp16": ov.Type.f16}
+
+
+def half_inference_precision(device: str, ov_config: dict[str, str] | None) -> ov.Type | None:
+    """The 16-bit precision `device` will infer in under `ov_config` (bf16 or f16), else None (f32)."""
+    hint = (ov_config or {}).get("INFERENCE_PRECISION_HINT")
+    if hint is not None:
+        return _HALF_PRECISIONS.get(str(hint).lower())
+    try:
+        default = ov.Core().get_property(device, "INFERENCE_PRECISION_HINT")
+    except RuntimeError:  # a device without the property (AUTO, HETERO): keep the f32 tap
+        return None
+    return default if default in (ov.Type.bf16, ov.Type.f16) else None
+
+
+def widen_to_f32(values: np.ndarray, element_type: ov.Type) -> np.ndarray:
+    """An output tensor's data as a new f32 array. OpenVINO hands bf16 data over as float16-typed
+    numpy memory: its bits are bf16, the upper half of an f32's."""
+    if element_type == ov.Type.bf16:
+        return (values.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return values.astype(np.float32)
+
+
 def read_ov_model(model_dir: str | Path) -> ov.Model:
     path = Path(model_dir) / MODEL_FILE
     if not path.is_file():
@@ -174,9 +197,11 @@ class TargetRunner(PagedModel):
             insert_logits_gather(model)
             self.has_hidden_states = bool(layer_outputs)
             if layer_outputs:
-                add_hidden_states_output(model, layer_outputs)
+                add_hidden_states_output(model, layer_outputs, half_inference_precision(device, ov_config))
         super().__init__(model, device=device, ov_config=ov_config)
         with BINDINGS_LOCK:
+            if layer_outputs:
+                self.hidden_states_type = self.compiled.output(HIDDEN_STATES_OUTPUT).get_element_type()
             self.state_tables = StateTables(self.compiled, state_tables) if state_tables else None
 
     @property
@@ -192,6 +217,6 @@ class TargetRunner(PagedModel):
     def run(self, step: StepInputs) -> StepOutputs:
         rows = {"input_ids": step.token_ids, **step.state_inputs} if step.state_inputs else {"input_ids": step.token_ids}
         self._infer(step.seqs, rows, step.sample_rows)
-        # The draft keeps hidden rows across steps: a copy (the logits are read before the next inference).
-        hidden = self._output(HIDDEN_STATES_OUTPUT).copy() if self.has_hidden_states else None
+        # The draft keeps hidden rows across steps: a copy in f32 (the logits are read before the next inference).
+        hidden = widen_to_f32(self._output(HIDDEN_STATES_OUTPUT), self.hidden_states_type) if self.has_hidden_states else None
         return StepOutputs(logits=self._output("logits"), hidden_states=hidden)

@@ -221,6 +221,37 @@ def test_hidden_state_outputs_survive_paged_attention(exports):
         np.testing.assert_allclose(values[1 + layer][:, 0], hidden[layer + 1][0], atol=1e-3, rtol=0)
 
 
+def test_hidden_state_tap_leaves_a_bf16_targets_compute_as_it_was(exports):
+    """Under bf16 the runner taps the hidden states in bf16: the target computes exactly what it does without
+    the tap (an f32 tap made the plugin keep the whole residual stream in f32), and the rows it returns
+    are transformers' hidden states within bf16's precision."""
+    from dflash.core.model_runner import StepInputs, TargetRunner
+    from dflash.core.paged import SequenceSlice
+
+    source, out = exports.source("llama"), exports.exported("llama")
+    input_ids = _prompt_ids(source)
+    hidden, _ = _reference(source, input_ids)
+    layers = (0, 2, 3)
+    bf16 = {"INFERENCE_PRECISION_HINT": "bf16"}
+    tapped, plain = TargetRunner(out, hidden_layer_ids=layers, ov_config=bf16), TargetRunner(out, ov_config=bf16)
+    assert tapped.hidden_states_type == ov.Type.bf16
+    tokens = input_ids.shape[1]
+    step = StepInputs([SequenceSlice(0, tokens, list(range(4)))], input_ids[0], np.arange(tokens))
+    results = []
+    for runner in (tapped, plain):
+        runner.allocate_cache(4)
+        result = runner.run(step)
+        results.append((result.logits.copy(), result.hidden_states))
+
+    np.testing.assert_array_equal(results[0][0], results[1][0])
+    assert results[1][1] is None
+    rows = results[0][1]  # [tokens, 3 * HIDDEN] f32
+    assert rows.dtype == np.float32 and rows.shape == (tokens, len(layers) * HIDDEN)
+    for i, layer in enumerate(layers):
+        expected = hidden[layer + 1][0]
+        np.testing.assert_allclose(rows[:, i * HIDDEN : (i + 1) * HIDDEN], expected, atol=0.05 * np.abs(expected).max())
+
+
 def test_annotate_without_source_model_writes_the_same_locators(exports):
     model = core.read_model(exports.exported("llama") / "openvino_model.xml")
     expected = read_hidden_state_locators(model)
