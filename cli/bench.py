@@ -432,10 +432,10 @@ def _agreement_note(report) -> str:
     compiled = report.environment.get("target_precision") or "the CPU's default precisions"
     return (
         f"Compiled as {compiled} (OpenVINO's defaults on this CPU; bf16 where it has bf16 units): outputs can part "
-        "from the baseline's at a near-tie, from the first token on, because the target compiled with the "
-        "hidden-state outputs the draft reads is a slightly different program than the target alone, and a row's "
-        "logits depend on how many rows share a step (quantized KV cache and activations, bf16); with --ov-config "
-        "INFERENCE_PRECISION_HINT=f32 --ov-config KV_CACHE_PRECISION=f32 they are identical."
+        "from the baseline's at a near-tie, because a row's logits depend on how many rows share a step "
+        "(verification adds the candidates as rows; quantized KV cache and activations, bf16); a single row "
+        "computes exactly what the target alone does. With --ov-config INFERENCE_PRECISION_HINT=f32 --ov-config "
+        "KV_CACHE_PRECISION=f32 they are identical."
     )
 
 
