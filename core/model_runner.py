@@ -200,8 +200,8 @@ class TargetRunner(PagedModel):
                 add_hidden_states_output(model, layer_outputs, half_inference_precision(device, ov_config))
         super().__init__(model, device=device, ov_config=ov_config)
         with BINDINGS_LOCK:
-            if layer_outputs:
-                self.hidden_states_type = self.compiled.output(HIDDEN_STATES_OUTPUT).get_element_type()
+            # bf16/f16 where the plugin infers in 16 bits (add_hidden_states_output says why); widened for the draft
+            self.hidden_states_type = self.compiled.output(HIDDEN_STATES_OUTPUT).get_element_type() if layer_outputs else None
             self.state_tables = StateTables(self.compiled, state_tables) if state_tables else None
 
     @property
