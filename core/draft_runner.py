@@ -10,6 +10,7 @@ logits to the candidate rows. Each step runs one packed inference over every req
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,9 +64,9 @@ class DraftRunner(PagedModel):
             insert_logits_gather(model)
         super().__init__(model, device=device, ov_config=ov_config)
 
-    @property
+    @functools.cached_property
     def hidden_states_width(self) -> int:
-        """k * H_target: the width of the target hidden rows the draft reads."""
+        """k * H_target: the width of the target hidden rows the draft reads (a port lookup: read once)."""
         return self.compiled.input("hidden_states").get_partial_shape()[-1].get_length()
 
     def run(self, step: DraftInputs) -> np.ndarray:
