@@ -28,6 +28,7 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=24)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--timeline", action="store_true", help="also print every draft step, in order")
     args = parser.parse_args()
     pair = ensure_default_pair("dspark")
     drafts, targets = [], []
@@ -58,11 +59,22 @@ def main() -> None:
           f"block rows {sum(d[1] for d in drafts)}")
     print("largest draft steps (context, block, candidates, ms):",
           [(d[0], d[1], d[2], round(d[3] * 1000, 1)) for d in sorted(drafts, key=lambda d: -d[3])[:8]])
+    if args.timeline:
+        print("draft steps in order (context, block, candidates, ms):",
+              [(d[0], d[1], d[2], round(d[3] * 1000, 1)) for d in drafts])
+    schedule = engine.drafter.adaptive
+    print("fits: draft (fixed, context, block, candidate) =", _ms(schedule.draft_cost.fit()),
+          "; target by batch class (fixed, row, reshape) =",
+          {k: _ms(cost.fit()) for k, cost in sorted(schedule.target_costs.items())})
     for verified, name in ((False, "plain"), (True, "verifying")):
         steps = [t for t in targets if t[2] == verified and t[3] == c]
         if steps:
             print(f"{name} steps of {c} requests: {len(steps)}, median {statistics.median(t[1] for t in steps) * 1000:.2f} ms, "
                   f"{sum(t[1] for t in steps):.2f} s; rows {collections.Counter(t[0] for t in steps).most_common(4)}")
+
+
+def _ms(fit) -> tuple[float, ...] | None:
+    return None if fit is None else tuple(round(c * 1000, 3) for c in fit)
 
 
 if __name__ == "__main__":

@@ -35,17 +35,33 @@ from pathlib import Path
 import numpy as np
 import openvino as ov
 
-from dflash.core.draft_format import MARKOV_HEAD_FILE, markov_head_part, read_draft_metadata, read_rt_info
+from dflash.core.draft_format import (
+    DENSE_INPUTS,
+    MARKOV_HEAD_FILE,
+    TOPK_INPUTS,
+    markov_head_part,
+    read_draft_metadata,
+    read_rt_info,
+)
 from dflash.core.draft_format import SUPPORTED_MARKOV_HEAD_TYPES as SUPPORTED_HEAD_TYPES
 
 from .config import SamplingParams, compile_properties
 from .drafter import Proposal
 from .errors import InputError, ModelFormatError
+from .paged import RequestTensors
 from .sampler import DRAFT_STREAM, draw, filtered_probs, uniform
 
 Sampling = tuple[SamplingParams, int, int]  # a request whose candidates are drawn: its params, key, first candidate's position
 
 _REEXPORT_HINT = "re-export the draft with `dflash export` (it writes the Markov head next to the backbone)"
+
+
+class _HeadPart:
+    """One compiled part of the head and its infer request, whose own tensors take the inputs in place."""
+
+    def __init__(self, compiled: ov.CompiledModel):
+        self.request = compiled.create_infer_request()
+        self.tensors = RequestTensors(self.request, compiled)
 
 
 class MarkovHeadRunner:
@@ -65,8 +81,8 @@ class MarkovHeadRunner:
             )
         config = _head_config(device, ov_config)
         core = ov.Core()
-        self._dense = core.compile_model(markov_head_part(model, "dense"), device, config).create_infer_request()
-        self._topk = core.compile_model(markov_head_part(model, "topk"), device, config).create_infer_request()
+        self._dense = _HeadPart(core.compile_model(markov_head_part(model, "dense"), device, config))
+        self._topk = _HeadPart(core.compile_model(markov_head_part(model, "topk"), device, config))
         self.vocab_size = _shape_or_rt_info(model, "markov_bias", -1, "vocab_size")
         self.rank = int(read_rt_info(model, "markov_head", "rank") or 0)
         default_k = read_rt_info(model, "markov_head", "top_k")
@@ -78,18 +94,20 @@ class MarkovHeadRunner:
 
     def markov_bias(self, prev_token_ids: np.ndarray) -> np.ndarray:
         """Dense part: [N] previous tokens -> [N, V] f32 bias W2 · W1[prev]."""
-        return self._infer(self._dense, [np.asarray(prev_token_ids, dtype=np.int64).reshape(-1)])
+        return self._infer(self._dense, {DENSE_INPUTS[0]: np.asarray(prev_token_ids).reshape(-1)})
 
     def edge_scores(self, prev_candidate_ids: np.ndarray, candidate_ids: np.ndarray) -> np.ndarray:
         """Top-K part: [R, Kp] and [R, K] token ids -> [R, Kp, K] f32 edge scores <W1[prev], W2[cand]>."""
-        prev = np.asarray(prev_candidate_ids, dtype=np.int64)
-        cand = np.asarray(candidate_ids, dtype=np.int64)
-        return self._infer(self._topk, [prev, cand])
+        prev_name, cand_name = TOPK_INPUTS
+        return self._infer(self._topk, {prev_name: np.asarray(prev_candidate_ids), cand_name: np.asarray(candidate_ids)})
 
-    def _infer(self, request: ov.InferRequest, inputs: list[np.ndarray]) -> np.ndarray:
+    def _infer(self, part: _HeadPart, inputs: dict[str, np.ndarray]) -> np.ndarray:
         start = time.perf_counter()
-        request.infer(inputs)
-        out = request.get_output_tensor(0).data.copy()
+        for name, values in inputs.items():
+            part.tensors.write(name, values)
+        part.request.start_async()  # then wait: infer() would convert every input and copy every output
+        part.request.wait()
+        out = part.request.get_output_tensor(0).data.copy()
         self.seconds += time.perf_counter() - start
         self.num_calls += 1
         return out
@@ -200,13 +218,28 @@ class Lattice:
         return len(self.candidate_ids)
 
 
+_ARGMAX_TOP_K = 16  # up to this K, K argmax passes (above: a stable sort)
+
+
 def top_k_candidates(logits: np.ndarray, k: int) -> np.ndarray:
-    """[rows, V] -> [rows, k] ids of the k highest logits per row, highest first (ties: lower id first)."""
-    if k >= logits.shape[1]:
-        return np.argsort(-logits, axis=1, kind="stable")
-    part = np.argpartition(-logits, k - 1, axis=1)[:, :k]
-    order = np.lexsort((part, -np.take_along_axis(logits, part, axis=1)), axis=1)
-    return np.take_along_axis(part, order, axis=1)
+    """[rows, V] -> [rows, k] ids of the k highest logits per row, highest first (ties: lower id first,
+    at the k-th place too: the first k of a stable sort).
+
+    For a small K, K passes of argmax (each takes the highest left, the lowest id among equals) over a
+    copy whose picked entries drop to -inf: on a DSpark b7 draft's [7, 8192] candidate rows with K 8,
+    0.07 ms against 0.6 ms for numpy's argpartition (a third of a draft step's host work at c=1), which
+    also picked arbitrarily among the entries tied at the k-th place."""
+    # each row needs k entries above -inf and no NaN: a picked entry must rank below every one left
+    fits = k <= _ARGMAX_TOP_K and not np.isnan(logits).any()
+    if fits and (logits > -np.inf).sum(axis=1).min(initial=k) >= k:
+        left = np.array(logits)  # a copy, its dtype kept
+        rows = np.arange(len(left))
+        ids = np.empty((len(left), k), dtype=np.int64)
+        for j in range(k):
+            ids[:, j] = best = left.argmax(axis=1)
+            left[rows, best] = -np.inf
+        return ids
+    return np.argsort(-logits, axis=1, kind="stable")[:, :k]
 
 
 def build_lattice(base_logits: np.ndarray, anchor: int, k: int, vocab_ids: np.ndarray | None = None) -> Lattice:

@@ -231,6 +231,18 @@ def test_top_k_candidates_are_sorted_best_first():
     assert top_k_candidates(logits, 6).tolist() == [[1, 3, 5, 2, 0, 4]]
 
 
+@pytest.mark.parametrize("k", [1, 3, 8, 16, 17, 40])  # argmax passes up to 16, a stable sort above
+def test_top_k_candidates_equal_a_stable_sort_with_ties_and_infinities(k):
+    rng = np.random.default_rng(k)
+    ties = rng.integers(-3, 3, size=(6, 64)).astype(np.float32)  # many ties, at the K-th place too
+    ties[1, :40] = -np.inf  # a row with few entries above -inf
+    ties[2, 5] = np.inf
+    ties[3, 7] = np.nan  # a stable sort puts it last
+    for logits in (ties, rng.standard_normal((7, 300)).astype(np.float32)):
+        expected = np.argsort(-logits, axis=1, kind="stable")[:, :k]
+        assert top_k_candidates(logits, k).tolist() == expected.tolist()
+
+
 def test_a_position_whose_previous_token_has_no_edge_ends_the_block():
     base = np.zeros((4, 10), dtype=np.float32)
     base[:, 5] = 1.0  # every row's best candidate is token 5
