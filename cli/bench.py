@@ -403,7 +403,7 @@ def _print_tables(report, output: Output) -> None:
     if not report.speculative:
         return
     acceptance = _table("acceptance" + suffix, ("setting", "tau", "acc", "=base", "1st diff"))
-    shares = _table("where the time goes" + suffix, ("setting", "drafting", "target", "draft"))
+    shares = _table("where the time goes" + suffix, ("setting", "drafting", "target", "draft", "host"))
     positions = _table("acceptance by draft position", ("setting", "positions 1..k"))
     positions.columns[1].no_wrap, positions.columns[1].justify = False, "left"
     for s in report.speculative:
@@ -412,7 +412,8 @@ def _print_tables(report, output: Output) -> None:
         divergence = _fmt(s.agreement.median_first_divergence, "g") if s.agreement else "-"
         acceptance.add_row(s.name, _fmt(spec.get("mean_accepted_length"), ".2f"), _fmt(spec.get("acceptance_rate"), ".1%"),
                            agreement, divergence)  # fmt: skip
-        shares.add_row(s.name, _fmt(s.drafting_share, ".0%"), _fmt(s.target_share, ".0%"), _fmt(s.draft_share, ".0%"))
+        shares.add_row(s.name, _fmt(s.drafting_share, ".0%"), _fmt(s.target_share, ".0%"), _fmt(s.draft_share, ".0%"),
+                       _fmt(s.host_share, ".1%"))  # fmt: skip
         rates = spec.get("acceptance_by_position") or []
         positions.add_row(s.name, " ".join(f"{r:.2f}" for r in rates) or "-")
     output.data(acceptance)
@@ -420,8 +421,9 @@ def _print_tables(report, output: Output) -> None:
                 "of candidates accepted; =base: outputs identical to the baseline's; 1st diff: median index of the "
                 f"first differing token of those that differ. {_agreement_note(report)}[/dim]\n")  # fmt: skip
     output.data(shares)
-    output.data("[dim]drafting: share of request steps that drafted; target, draft: share of the step time spent "
-                "in the target's and in the draft's inference[/dim]\n")  # fmt: skip
+    output.data("[dim]drafting: share of request steps that drafted; target, draft: share of the step time in the "
+                "target's run and in the draft step (packing, inference, outputs); host: share outside the two models' "
+                "infer() calls (scheduling, packing, verification, bookkeeping; a DSpark draft's Markov head)[/dim]\n")  # fmt: skip
     output.data(positions)
 
 

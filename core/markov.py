@@ -181,7 +181,7 @@ class MarkovHeadRunner:
 
     def _lattice_walk(self, base: Sequence[np.ndarray], anchors: Sequence[int], k: int, sampling: Sequence[Sampling | None],
                       vocab_ids: np.ndarray | None) -> list[list[int] | Proposal]:  # fmt: skip
-        lattices = [build_lattice(u, anchor, k, vocab_ids) for u, anchor in zip(base, anchors)]
+        lattices = build_lattices(base, anchors, k, vocab_ids)
         lattices_with_rows = [lat for lat in lattices if lat.num_rows]
         if not lattices_with_rows:
             return [_proposal([], [], how, self.vocab_size) for how in sampling]
@@ -245,15 +245,27 @@ def top_k_candidates(logits: np.ndarray, k: int) -> np.ndarray:
 def build_lattice(base_logits: np.ndarray, anchor: int, k: int, vocab_ids: np.ndarray | None = None) -> Lattice:
     """The lattice of one request: base logits [K_r, V] of its candidate rows, its anchor token.
     With `vocab_ids`, the logits cover those target tokens only and the lattice holds their target ids."""
-    if len(base_logits) == 0:
+    return build_lattices([base_logits], [anchor], k, vocab_ids)[0]
+
+
+def build_lattices(base_logits: Sequence[np.ndarray], anchors: Sequence[int], k: int,
+                   vocab_ids: np.ndarray | None = None) -> list[Lattice]:  # fmt: skip
+    """`build_lattice` for several requests, their Top-K candidates found in one pass over all their rows."""
+    counts = [len(u) for u in base_logits]
+    if not sum(counts):
         empty = np.zeros((0, k), dtype=np.int64)
-        return Lattice(empty, np.zeros((0, k), dtype=np.float32), empty)
-    columns = top_k_candidates(base_logits, k).astype(np.int64)
-    candidates = columns if vocab_ids is None else vocab_ids[columns]
+        return [Lattice(empty, np.zeros((0, k), dtype=np.float32), empty) for _ in counts]
+    logits = np.concatenate([u for u in base_logits if len(u)])
+    columns = top_k_candidates(logits, k)
+    candidates = columns if vocab_ids is None else vocab_ids[columns].astype(np.int64)
+    candidate_logits = np.take_along_axis(logits, columns, axis=1)
     prev = np.empty_like(candidates)
-    prev[0] = anchor  # the first row's only predecessor; repeated so that every row is K wide
-    prev[1:] = candidates[:-1]
-    return Lattice(candidates, np.take_along_axis(base_logits, columns, axis=1), prev)
+    prev[1:] = candidates[:-1]  # each row's predecessors: the row before's candidates, ...
+    starts = np.cumsum([0, *counts[:-1]])
+    has_rows = np.asarray(counts) > 0
+    prev[starts[has_rows]] = np.asarray(anchors, dtype=np.int64)[has_rows, None]  # ... or a first row's anchor
+    bounds = list(zip(starts, starts + counts))
+    return [Lattice(candidates[a:b], candidate_logits[a:b], prev[a:b]) for a, b in bounds]
 
 
 def greedy_lattice_walk(lattice: Lattice, edge_scores: np.ndarray, anchor: int) -> list[int]:

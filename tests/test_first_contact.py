@@ -93,7 +93,7 @@ def _setting(name: str, **values):
         num_assistant_tokens_schedule="constant", markov_top_k=None, num_requests=20, num_generated_tokens=2560,
         wall_s=12.5, tokens_per_s=204.8, speedup=1.23, ttft_s={"p50": 0.1234, "p90": 0.5678}, tpot_s={"p50": 0.0123, "p90": 0.0456},
         spec={"mean_accepted_length": 2.91, "acceptance_rate": 0.456, "acceptance_by_position": [0.9, 0.7, 0.5, 0.3]},
-        times={}, target_share=0.71, draft_share=0.22, drafting_share=0.97, agreement=None, rounds=2, speedup_range=[1.11, 1.35],
+        times={}, target_share=0.71, draft_share=0.22, host_share=0.034, drafting_share=0.97, agreement=None, rounds=2, speedup_range=[1.11, 1.35],
     )  # fmt: skip
     given.update(values)
     for field in fields(SettingResult):
@@ -119,10 +119,10 @@ def test_bench_tables_fit_80_columns_with_whole_headers():
     text = "\n".join(line.rstrip() for line in buffer.getvalue().splitlines())
     assert max(len(line) for line in text.splitlines()) <= 80
     assert "…" not in text  # nothing cut
-    for header in ("tok/s", "speedup", "TTFT p50", "TTFT p90", "TPOT p50", "TPOT p90", "tau", "acc", "=base", "1st diff"):
+    for header in ("tok/s", "speedup", "TTFT p50", "TTFT p90", "TPOT p50", "TPOT p90", "tau", "acc", "=base", "1st diff", "host"):
         assert header in _collapse(text) or header.replace(" ", "") in text, header
     assert "spec c=8 k=auto constant topk=64" in _collapse(text)  # folded, not cut
-    assert "1.23x (1.11-1.35)" in text
+    assert "1.23x (1.11-1.35)" in text and "3.4%" in text
     # Each table's legend comes right under it and explains its own columns.
     sections = re.split(r"^(throughput|latency \(ms\)|acceptance|where the time goes|acceptance by draft position)$", text, flags=re.M)
     legends = {title: _collapse(body.split("\n\n")[0].rsplit("┘", 1)[-1]) for title, body in zip(sections[1::2], sections[2::2])}
@@ -130,7 +130,7 @@ def test_bench_tables_fit_80_columns_with_whole_headers():
     assert legends["latency (ms)"].startswith("TTFT:") and "TPOT:" in legends["latency (ms)"]
     for word in ("tau:", "acc:", "=base:", "1st diff:", "bf16"):
         assert word in legends["acceptance"]
-    for word in ("drafting:", "target, draft:"):
+    for word in ("drafting:", "target, draft:", "host:"):
         assert word in legends["where the time goes"]
 
 

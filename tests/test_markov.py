@@ -39,6 +39,7 @@ from dflash.core.markov import (
     Lattice,
     MarkovHeadRunner,
     build_lattice,
+    build_lattices,
     greedy_lattice_walk,
     load_markov_head,
     top_k_candidates,
@@ -241,6 +242,18 @@ def test_top_k_candidates_equal_a_stable_sort_with_ties_and_infinities(k):
     for logits in (ties, rng.standard_normal((7, 300)).astype(np.float32)):
         expected = np.argsort(-logits, axis=1, kind="stable")[:, :k]
         assert top_k_candidates(logits, k).tolist() == expected.tolist()
+
+
+def test_lattices_of_several_requests_are_each_request_s_own():
+    rng = np.random.default_rng(3)
+    base = [rng.standard_normal((n, 50)).astype(np.float32) for n in (3, 0, 1, 2)]
+    anchors = [11, 12, 13, 14]
+    vocab_ids = np.arange(100, 150)  # the draft's vocabulary as target ids
+    for lattice, logits, anchor in zip(build_lattices(base, anchors, 4, vocab_ids), base, anchors):
+        columns = np.argsort(-logits, axis=1, kind="stable")[:, :4]
+        assert lattice.candidate_ids.tolist() == (100 + columns).tolist()
+        assert np.array_equal(lattice.candidate_logits, np.take_along_axis(logits, columns, axis=1))
+        assert lattice.prev_candidate_ids.tolist() == [[anchor] * 4, *(100 + columns[:-1]).tolist()][: len(logits)]
 
 
 def test_a_position_whose_previous_token_has_no_edge_ends_the_block():
