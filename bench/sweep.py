@@ -445,5 +445,5 @@ def options_json(options: BenchOptions, config) -> dict:
         "greedy_reference": options.greedy_reference,
         "draft_proposals": list(options.draft_proposals),
         "ignore_eos": True,
-        "engine_config": {k: v for k, v in asdict(config).items() if k != "markov_head_top_k"},
+        "engine_config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items() if k != "markov_head_top_k"},
     }

@@ -130,6 +130,14 @@ PrefixCachingOpt = Annotated[
         show_default="on; off for hybrid targets",
     ),
 ]
+ScheduleMemoryOpt = Annotated[
+    bool,
+    typer.Option(
+        "--schedule-memory/--no-schedule-memory",
+        help="Keep what the adaptive schedule measured of this machine's steps in the user cache folder: "
+        "the next run prices drafting from its first step instead of exploring.",
+    ),
+]
 DynamicSplitFuseOpt = Annotated[
     bool, typer.Option("--dynamic-split-fuse/--no-dynamic-split-fuse", help="Mix prompt chunks and generation rows in one step.")
 ]
@@ -154,9 +162,11 @@ OvConfigOpt = Annotated[
 def engine_config(*, device: str, ov_config: list[str] | None, kv_cache_size: float,
                   draft_kv_cache_size: float | None, max_num_batched_tokens: int, max_num_seqs: int,
                   prefix_caching: bool | None = None, dynamic_split_fuse: bool = True, markov_top_k: int | None = None,
-                  draft_proposals: str = "argmax", state_blocks: int | None = None):  # fmt: skip
-    """The EngineConfig of the engine options (a malformed --ov-config is a usage error, exit 2)."""
+                  draft_proposals: str = "argmax", state_blocks: int | None = None, schedule_memory: bool = False):  # fmt: skip
+    """The EngineConfig of the engine options (a malformed --ov-config is a usage error, exit 2).
+    schedule_memory: keep the adaptive schedule's measurements in the user cache folder."""
     from dflash.core.config import EngineConfig
+    from dflash.exporters.default_pair import cache_dir
 
     return EngineConfig(
         device=device,
@@ -170,6 +180,7 @@ def engine_config(*, device: str, ov_config: list[str] | None, kv_cache_size: fl
         markov_head_top_k=markov_top_k,
         draft_proposals=draft_proposals,
         num_state_blocks=state_blocks,
+        schedule_memory=str(cache_dir() / "schedule") if schedule_memory else None,
     )
 
 

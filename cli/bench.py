@@ -31,6 +31,7 @@ from ._options import (
     OvConfigOpt,
     PrefixCachingOpt,
     QuietOpt,
+    ScheduleMemoryOpt,
     SeedOpt,
     StateBlocksOpt,
     TemperatureOpt,
@@ -103,6 +104,7 @@ def bench(
     max_num_batched_tokens: MaxNumBatchedTokensOpt = 256,
     prefix_caching: PrefixCachingOpt = None,
     dynamic_split_fuse: DynamicSplitFuseOpt = True,
+    schedule_memory: ScheduleMemoryOpt = True,
     strict: Annotated[bool, typer.Option("--strict", help="Exit 1 on any output that differs from the baseline, even with bf16 inference.")] = False,
     min_accepted_length: Annotated[
         Optional[float], typer.Option("--min-accepted-length", min=0.0, help="Exit 1 if a setting's mean accepted length is below X.", show_default=False)
@@ -154,6 +156,7 @@ def _run_sweep(o: SimpleNamespace, sweep: SimpleNamespace, output: Output):
         device=o.device, ov_config=o.ov_config, kv_cache_size=o.kv_cache_size, draft_kv_cache_size=o.draft_kv_cache_size,
         max_num_batched_tokens=o.max_num_batched_tokens, max_num_seqs=max(sweep.concurrencies),
         prefix_caching=o.prefix_caching, dynamic_split_fuse=o.dynamic_split_fuse, state_blocks=o.state_blocks,
+        schedule_memory=o.schedule_memory,
     )  # fmt: skip
     sampling = sampling_params(temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, seed=o.seed)
     target_dir = o.target_dir

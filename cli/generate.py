@@ -33,6 +33,7 @@ from ._options import (
     OvConfigOpt,
     PrefixCachingOpt,
     QuietOpt,
+    ScheduleMemoryOpt,
     SeedOpt,
     StateBlocksOpt,
     TemperatureOpt,
@@ -97,6 +98,7 @@ def generate(
     max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", min=1, help="Requests running at once at most.")] = 64,
     prefix_caching: PrefixCachingOpt = None,
     dynamic_split_fuse: DynamicSplitFuseOpt = True,
+    schedule_memory: ScheduleMemoryOpt = True,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
     debug: DebugOpt = False,
@@ -132,6 +134,7 @@ def _load(o: SimpleNamespace, output: Output) -> tuple:
         device=o.device, ov_config=o.ov_config, kv_cache_size=o.kv_cache_size, draft_kv_cache_size=o.draft_kv_cache_size,
         max_num_batched_tokens=o.max_num_batched_tokens, max_num_seqs=o.max_num_seqs, prefix_caching=o.prefix_caching,
         dynamic_split_fuse=o.dynamic_split_fuse, markov_top_k=o.markov_top_k, draft_proposals=o.draft_proposals.value, state_blocks=o.state_blocks,
+        schedule_memory=o.schedule_memory,
     )  # fmt: skip
     params = sampling_params(
         temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, seed=o.seed, max_new_tokens=o.max_new_tokens,

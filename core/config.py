@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 GIB = 1 << 30
 ASSISTANT_SCHEDULES = ("constant", "heuristic", "adaptive")
@@ -202,6 +203,11 @@ class EngineConfig:
         deterministic candidates (each row's argmax, or the Markov walk), "sampled" candidates drawn from
         its distributions after the request's temperature/top-k/top-p. Both are verified by speculative
         sampling, so both give the target's own distribution; they differ in acceptance.
+    schedule_memory: a folder where the adaptive schedule keeps what it measured of this machine's steps
+        (one file per pair, device, properties and processor), read when the engine starts and written
+        when it goes idle, so that a later engine prices drafting from its first step instead of
+        exploring (core/schedule_memory.py). None (the default here): nothing is kept; the CLI keeps it
+        in the user cache folder.
     The scheduler's limits (max_num_batched_tokens, max_num_seqs, dynamic_split_fuse) are SchedulerConfig's.
     """
 
@@ -219,6 +225,7 @@ class EngineConfig:
     markov_head_top_k: int | None = None
     use_markov_head: bool = True
     draft_proposals: str = "argmax"
+    schedule_memory: str | Path | None = None
 
     def __post_init__(self) -> None:
         for name in ("kv_cache_size_gib", "draft_kv_cache_size_gib"):

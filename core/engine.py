@@ -44,6 +44,7 @@ from .model_runner import pack_target_rows
 from .outputs import GenerationResult, RequestOutput, TrackedRequest
 from .request import Request, RequestStatus
 from .sampler import Sampler
+from .schedule_memory import ScheduleMemory
 from .scheduler import Scheduler, SchedulerOutput
 from .stopping import StopChecker
 from .tokenization import Prompt, stop_token_ids_of, tokenize_prompt
@@ -81,6 +82,11 @@ class LLMEngine:
         # One engine may be driven from several threads: every public call holds this lock, so steps
         # never overlap and requests added from another thread join the next step.
         self._lock = threading.RLock()
+        # what the adaptive schedule measured of this machine's steps, from an earlier engine (config.schedule_memory)
+        self._schedule_memory: ScheduleMemory | None = None
+        if self.config.schedule_memory is not None and self.has_draft:
+            self._schedule_memory = ScheduleMemory.for_engine(self.config.schedule_memory, self.model_dir, Path(draft_dir), self.config)
+            self._schedule_memory.load(self.drafter.adaptive)
 
     @property
     def has_draft(self) -> bool:
@@ -177,6 +183,8 @@ class LLMEngine:
             self._draft(target_step)
         outputs += self._finished_by_scheduler(sched)
         self.times.end_step(time.perf_counter() - start, self.runner.infer_seconds, self.drafter.infer_seconds)
+        if self._schedule_memory is not None and not self.scheduler.has_unfinished_requests():
+            self._schedule_memory.save(self.drafter.adaptive)  # idle: what this run measured, for the next
         return outputs
 
     def _run_target(self, sched: SchedulerOutput, step_start: float) -> TargetStep:

@@ -18,6 +18,18 @@ from dflash.exporters.tiny import make_tiny_target
 F32 = EXACT_OV_CONFIG  # f32 compute and KV caches: outputs do not depend on batch composition
 
 
+@pytest.fixture(autouse=True)
+def user_cache(tmp_path_factory, monkeypatch) -> Path:
+    """Each test's own user cache folder ($DFLASH_CACHE_DIR): what the CLI keeps there (the adaptive
+    schedule's measurements, per pair) stays out of the real one, and no test starts from what another
+    test's run of the same pair measured."""
+    from dflash.exporters.default_pair import CACHE_ENV
+
+    folder = tmp_path_factory.mktemp("user-cache")
+    monkeypatch.setenv(CACHE_ENV, str(folder))
+    return folder
+
+
 @pytest.fixture(scope="session")
 def sharp_qwen3(tmp_path_factory) -> tuple[Path, Path]:
     """(Hugging Face folder, fp32 IR) of a tiny qwen3 target with initializer_range 0.2: sharper

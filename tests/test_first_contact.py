@@ -9,12 +9,14 @@ import re
 from dataclasses import MISSING, fields
 
 import click
+import numpy as np
 import pytest
 import typer
 from rich.console import Console
 from typer.testing import CliRunner
 
 from dflash.cli.app import app
+from dflash.core.config import SamplingParams
 from dflash.exporters.draft import export_draft
 from dflash.exporters.draft_checkpoint import make_tiny_draft
 from dflash.exporters.target import export_target
@@ -177,9 +179,9 @@ def pair(tmp_path_factory):
     return export_target(target_hf, root / "target", weight_format="fp32"), export_draft(draft_hf, root / "draft", weight_format="fp32")
 
 
-def _generate(pair, *args: str):
+def _generate(pair, *args: str, env: dict | None = None):
     target, draft = pair
-    result = runner.invoke(app, ["generate", str(target), "--draft", str(draft), "--max-new-tokens", "12", *F32_ARGS, *args])
+    result = runner.invoke(app, ["generate", str(target), "--draft", str(draft), "--max-new-tokens", "12", *F32_ARGS, *args], env=env)
     assert result.exit_code == 0, result.output
     return result
 
@@ -299,3 +301,51 @@ def test_export_with_nncf_keeps_stdout_for_json_and_stderr_for_dflash(tmp_path):
     assert "compressing weights to int8 (NNCF)" in done.stderr
     for noise in ("INFO:nncf", "bitwidth", "CUDA", "Applying Weight Compression"):
         assert noise not in done.stderr, done.stderr
+
+
+# ---- later runs: the adaptive schedule starts from what earlier runs measured ------------------------------
+
+
+def test_generate_keeps_the_schedules_measurements_for_the_next_run(pair, tmp_path):
+    """The first run writes the adaptive schedule's state into the user cache; the next engine of the
+    same pair starts from it (priced from its first step, not exploring) and its output is the same;
+    --no-schedule-memory keeps nothing; a damaged file is ignored and replaced."""
+    from dflash.core.config import EXACT_OV_CONFIG, EngineConfig
+    from dflash.core.engine import LLMEngine
+
+    env = {"DFLASH_CACHE_DIR": str(tmp_path / "cache")}
+    memory = tmp_path / "cache" / "schedule"
+    off = _generate(pair, "Tell me a story.", "--json", "--no-schedule-memory", env=env)
+    assert not memory.exists()
+    first = _generate(pair, "Tell me a story.", "--json", env=env)
+    (state_file,) = memory.iterdir()
+    saved = json.loads(state_file.read_text())
+    assert saved["target_costs"] and sum(saved["acceptance"]["drafted"]) > 0
+    second = _generate(pair, "Tell me a story.", "--json", env=env)
+    assert json.loads(off.stdout)["token_ids"] == json.loads(first.stdout)["token_ids"] == json.loads(second.stdout)["token_ids"]
+
+    config = EngineConfig(ov_config=EXACT_OV_CONFIG, schedule_memory=str(memory))
+    fresh = LLMEngine(pair[0], EngineConfig(ov_config=EXACT_OV_CONFIG), draft_dir=pair[1]).drafter.adaptive
+    remembered = LLMEngine(pair[0], config, draft_dir=pair[1]).drafter.adaptive
+    kept = json.loads(state_file.read_text())  # after the second run: both runs' steps
+    assert len(kept["draft_cost"]["observations"]) > len(saved["draft_cost"]["observations"]) > 0
+    assert not fresh.draft_cost.observations and fresh.engine_wide.is_empty
+    assert len(remembered.draft_cost.observations) == len(kept["draft_cost"]["observations"])
+    assert remembered.engine_wide.estimate(3) == pytest.approx(_estimate(kept["acceptance"]))
+    other = LLMEngine(pair[0], EngineConfig(ov_config={**EXACT_OV_CONFIG, "NUM_STREAMS": "1"}, schedule_memory=str(memory)),
+                      draft_dir=pair[1]).drafter.adaptive  # fmt: skip
+    assert not other.draft_cost.observations  # other properties: other step costs, another file
+
+    state_file.write_text("{not json")
+    damaged = LLMEngine(pair[0], config, draft_dir=pair[1])
+    assert not damaged.drafter.adaptive.draft_cost.observations  # ignored: starts from nothing
+    damaged.generate(["Name a color."], SamplingParams(max_new_tokens=8))
+    assert json.loads(state_file.read_text())["version"] == saved["version"]  # replaced when it went idle
+
+
+def _estimate(acceptance: dict) -> list[float]:
+    from dflash.core.adaptive import AcceptanceCounts
+
+    counts = AcceptanceCounts(decay=1.0)
+    counts.drafted, counts.reached, counts.accepted = (np.asarray(acceptance[k]) for k in ("drafted", "reached", "accepted"))
+    return counts.estimate(3)
