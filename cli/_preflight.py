@@ -20,7 +20,21 @@ def looks_like_path(text: str) -> bool:
     """A positional argument that names a file system location rather than a prompt."""
     import os
 
-    return os.sep in text or (os.altsep or "/") in text or text.startswith("~") or Path(text).exists()
+    return os.sep in text or (os.altsep or "/") in text or text.startswith("~") or path_exists(Path(text))
+
+
+def path_exists(path: Path, *, folder: bool = False) -> bool:
+    """Whether `path` names an existing file (or folder); a text that cannot be a file name at all (longer
+    than the system allows: a long prompt) names none."""
+    try:
+        return path.is_dir() if folder else path.exists()
+    except OSError:
+        return False
+
+
+def is_folder(text: str) -> bool:
+    """A positional argument that names an existing folder (a long prompt is none: `path_exists`)."""
+    return path_exists(Path(text), folder=True)
 
 
 def check_model_dir(folder: Path, role: str) -> None:

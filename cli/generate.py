@@ -282,13 +282,13 @@ def _split_target_and_prompts(target_dir: str | None, prompts: list[str] | None)
     folder is an error, never a prompt."""
     from dflash.core.errors import InputError
 
-    from ._preflight import looks_like_path
+    from ._preflight import is_folder, looks_like_path, path_exists
 
     prompts = list(prompts or [])
-    if target_dir is None or Path(target_dir).is_dir():
+    if target_dir is None or is_folder(target_dir):
         return (Path(target_dir) if target_dir is not None else None), prompts
     if looks_like_path(target_dir):
-        what = "is a file, not a folder" if Path(target_dir).exists() else "does not exist"
+        what = "is a file, not a folder" if path_exists(Path(target_dir)) else "does not exist"
         raise InputError(
             f"TARGET_DIR {target_dir} {what}",
             "pass an exported target folder (dflash export); to use this text as a prompt for the "

@@ -349,3 +349,13 @@ def _estimate(acceptance: dict) -> list[float]:
     counts = AcceptanceCounts(decay=1.0)
     counts.drafted, counts.reached, counts.accepted = (np.asarray(acceptance[k]) for k in ("drafted", "reached", "accepted"))
     return counts.estimate(3)
+
+
+def test_a_prompt_too_long_to_be_a_file_name_is_a_prompt():
+    """Without TARGET_DIR the first argument is a prompt unless it names a folder; asking the file system
+    about a text longer than a file name may be failed with "File name too long" (a HumanEval problem as
+    the prompt), which is an answer: no such folder."""
+    from dflash.cli.generate import _split_target_and_prompts
+
+    long_prompt = "Write a function that " + "checks the numbers " * 20
+    assert _split_target_and_prompts(long_prompt, ["second"]) == (None, [long_prompt, "second"])
