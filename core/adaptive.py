@@ -487,9 +487,12 @@ class AdaptiveSchedule:
         """The line of the target's steps serving `num_requests` requests (their batch-size class)."""
         cost = self.target_costs.get(batch_class(num_requests))
         if cost is None:
-            cost = LinearCost(num_counts=2, min_samples=self.min_steps, min_spread=(0.5, 0.2), optional=(1,))
-            self.target_costs[batch_class(num_requests)] = cost
+            cost = self.target_costs[batch_class(num_requests)] = self._new_target_line()
         return cost
+
+    def _new_target_line(self) -> LinearCost:
+        """A batch-size class's line of target steps, before any step: seconds over (rows, reshaped)."""
+        return LinearCost(num_counts=2, min_samples=self.min_steps, min_spread=(0.5, 0.2), optional=(1,))
 
     def plain_step_seconds(self, rows: int, line: LinearCost | None = None) -> float:
         """Seconds of a target step of `rows` rows, one per request, that keeps the previous step's
@@ -588,7 +591,7 @@ class AdaptiveSchedule:
         corrects them within a few dozen steps; so does the acceptance, which decays with every
         verification (`engine_decay`: other prompts weigh half after about 35). The shapes OpenVINO has prepared are not
         carried over (each run prepares its own: `_first_of_shape`). Raises ValueError on data of
-        another shape or version (the caller starts from nothing)."""
+        another shape or version, and then leaves this schedule as it was (the caller starts from nothing)."""
         try:
             if state.get("version") != _STATE_VERSION:
                 raise ValueError(f"schedule state version {state.get('version')!r}, expected {_STATE_VERSION}")
@@ -604,19 +607,21 @@ class AdaptiveSchedule:
         if (drafted.ndim != 1 or drafted.shape != reached.shape or drafted.shape != accepted.shape
                 or not ((drafted >= reached) & (reached >= accepted) & (accepted >= 0)).all()):  # fmt: skip
             raise ValueError("malformed schedule state: acceptance counts")
+        if any(not 0 <= a <= d for a, d in finished) or any(k < 1 for k in targets):
+            raise ValueError("malformed schedule state: finished requests or batch-size classes")
         try:
-            self.draft_cost.restore(draft)
+            lines = {k: self._new_target_line() for k in targets}  # batch-size class k (`batch_class`)
             for k, line in targets.items():
-                self.target_cost(1 << (k - 1)).restore(line)  # the line of batch-size class k (`batch_class`)
+                lines[k].restore(line)
+            self.draft_cost.restore(draft)  # the last check: it changes nothing unless it passes
         except (KeyError, TypeError) as error:
             raise ValueError(f"malformed schedule state: {error!r}") from error
+        self.target_costs.update(lines)
         self._plain_seconds.update(plain)
         for n, by_rows in verify.items():
             self._verify_seconds.setdefault(n, {}).update(by_rows)
         for k, v in changes.items():
             self._shape_changes.setdefault(k, deque(maxlen=self.shape_window)).extend(v)
-        if any(not 0 <= a <= d for a, d in finished):
-            raise ValueError("malformed schedule state: finished requests")
         self._finished.extend(finished)
         if len(drafted):
             self.engine_wide.drafted, self.engine_wide.reached, self.engine_wide.accepted = drafted, reached, accepted

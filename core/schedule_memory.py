@@ -41,11 +41,8 @@ class ScheduleMemory:
     def load(self, schedule: AdaptiveSchedule) -> bool:
         """Restore `schedule` from the file; False (and nothing changed) if there is none that fits."""
         try:
-            state = json.loads(self.path.read_text())
-            fresh = AdaptiveSchedule()
-            fresh.restore(state)  # checked whole before the engine's schedule takes it
-            schedule.restore(state)
-        except (OSError, ValueError, AttributeError):
+            schedule.restore(json.loads(self.path.read_text()))  # all or nothing
+        except (OSError, ValueError):
             return False
         return True
 

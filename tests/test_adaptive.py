@@ -92,9 +92,11 @@ def shapes_last(schedule: AdaptiveSchedule, steps: int, reshape: float, rows: in
     """The latest `shape_window` target steps that verified candidates change shape every `steps` steps
     (steps of `rows` rows on the line 10 ms + 2 ms a row, plus `reshape` where they change shape: the
     fits stay as they are)."""
+    # steps the schedule chose to draft (probes and exploration do not count); a step is observed after the
+    # next step's plan, so the two latest plans are the schedule's choices
+    schedule._chosen.extend([True, True])
     for i in range(schedule.shape_window):
         changed = i % steps == 0
-        schedule._chosen.append(True)  # a step the schedule chose to draft (probes and exploration do not count)
         schedule.observe_target(rows, 0.010 + 0.002 * rows + reshape * changed, reshaped=changed, num_requests=num_requests)
 
 
@@ -545,6 +547,10 @@ def test_a_schedule_restored_from_another_s_state_decides_as_it_does():
     accept(old, "a", [0.8, 0.6, 0.4])
     accept(old, "b", [0.2, 0.05, 0.0])
     old.forget("a")
+    assert old.draft_cost.fit() is not None  # fitted (a running schedule fits as it plans), then
+    for _ in range(130):  # the draft's latest steps all alike: only the kept fit prices them (a window that cannot refit)
+        old.observe_draft(3, 5, 4, 0.0025)
+    assert old.draft_cost.fit() is not None
     new = AdaptiveSchedule(min_steps=4)
     new.restore(json.loads(json.dumps(old.state())))
     assert new.draft_cost.fit() == pytest.approx(old.draft_cost.fit())
@@ -556,8 +562,8 @@ def test_a_schedule_restored_from_another_s_state_decides_as_it_does():
         assert new.plan(candidates, num_generating=len(candidates)) == old.plan(candidates, num_generating=len(candidates))
 
 
-@pytest.mark.parametrize("damage", ["version", "negative seconds", "accepted above drafted", "not a dict"])
-def test_a_damaged_state_is_refused(damage):
+@pytest.mark.parametrize("damage", ["version", "negative seconds", "negative target seconds", "accepted above drafted", "not a dict"])
+def test_a_damaged_state_is_refused_and_changes_nothing(damage):
     import json
 
     state = json.loads(json.dumps(fitted(target=(0.010, 0.002), draft=(0.002, 0.0001)).state()))
@@ -568,9 +574,25 @@ def test_a_damaged_state_is_refused(damage):
         state["version"] = 99
     elif damage == "negative seconds":
         state["draft_cost"]["observations"][0][1] = -1.0
+    elif damage == "negative target seconds":  # the draft's line is sound: it must not be taken alone
+        state["target_costs"]["1"]["observations"][-1][1] = -1.0
     elif damage == "accepted above drafted":
         state["acceptance"]["accepted"] = [x + 10 for x in state["acceptance"]["drafted"]]
     else:
         state["target_costs"] = [1, 2]
+    schedule = AdaptiveSchedule()
     with pytest.raises(ValueError):
-        AdaptiveSchedule().restore(state)
+        schedule.restore(state)
+    assert schedule.state() == AdaptiveSchedule().state()  # all or nothing
+
+
+def test_probes_do_not_shorten_the_shape_lifetime():
+    """A paused batch verifies only probes, each a new shape. Counted, they made the lifetime one step, and
+    starting to draft was charged a whole reshape (chat prompts at c=1 never started again)."""
+    schedule = fitted((0.010, 0.002), (0.001, 0.0002))
+    shapes_last(schedule, schedule.shape_window, 0.010)
+    assert schedule.shape_lifetime() == schedule.shape_window
+    schedule._chosen.extend([False, False])  # the latest plans: probes, not the schedule's choice
+    for _ in range(schedule.shape_window):
+        schedule.observe_target(3, 0.026, reshaped=True)
+    assert schedule.shape_lifetime() == schedule.shape_window
