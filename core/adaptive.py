@@ -634,7 +634,12 @@ class AdaptiveSchedule:
              closed: bool = False) -> dict[str, int]:  # fmt: skip
         """Candidates per request for the next step.
 
-        num_generating: requests whose seed rows the target verifies next step (drafting or not).
+        num_generating: the batch the next step belongs to: requests whose seed rows the target
+            verifies next step (drafting or not), and those about to join them (admitted while earlier
+            prompts are read; the engine's `TargetStep.num_batch`). Priced at that size: drafting for
+            the first requests of a wave to finish their prompts, as if they were the batch, caught
+            up whole prompts through the draft for a few steps (the batch then filled and drafting
+            stopped): HumanEval at c=8, 0.95x and 0.99x never drafting in two runs; 1.00x priced at the batch.
         candidate_offset: block rows before the first candidate row (1 for z-lab DFlash).
         other_draft_rows: (context rows, block rows, candidate rows) of the draft that run anyway
             (other schedules' windows); all 0: the draft runs only if this schedule drafts.

@@ -33,6 +33,9 @@ class TargetStep:
     num_rows, seconds: the target's rows and the wall time of the step so far (host work included).
     num_waiting: requests the scheduler holds back for a place in the batch (0: the batch is closed,
         its running requests are all there is to finish).
+    num_batch: requests that share the batch's steps now or within a few steps: the running ones and
+        the waiting ones there is room for (held back only by the step's token budget while earlier
+        prompts are read).
     """
 
     scheduled: Sequence[tuple[ScheduledRequest, Request | None]]
@@ -41,6 +44,7 @@ class TargetStep:
     num_rows: int
     seconds: float
     num_waiting: int = 0
+    num_batch: int = 0
 
     @property
     def is_generation(self) -> bool:

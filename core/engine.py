@@ -180,7 +180,7 @@ class LLMEngine:
             target_step = self._run_target(sched, start)
             self.scheduler.update_from_output(sched, {req_id: v.tokens for req_id, v in target_step.verdicts.items()})
             outputs += [self._commit(req_id, verdict) for req_id, verdict in target_step.verdicts.items()]
-            self._draft(target_step)
+            self._draft(self._batch_after(target_step))
         outputs += self._finished_by_scheduler(sched)
         self.times.end_step(time.perf_counter() - start, self.runner.infer_seconds, self.drafter.infer_seconds)
         if self._schedule_memory is not None and not self.scheduler.has_unfinished_requests():
@@ -196,7 +196,14 @@ class LLMEngine:
         self.times.target_s += time.perf_counter() - start
         verdicts = self._verify(scheduled, target_out.logits)
         return TargetStep(scheduled, target_out.hidden_states, verdicts, len(inputs.token_ids),
-                          time.perf_counter() - step_start, len(self.scheduler.waiting))  # fmt: skip
+                          time.perf_counter() - step_start)  # fmt: skip
+
+    def _batch_after(self, target_step: TargetStep) -> TargetStep:
+        """The step with the batch as it stands once the scheduler has taken its outcome: the requests
+        waiting for a place, and the batch's size (running, and waiting ones there is room for)."""
+        num_requests = len(self.scheduler.running) + len(self.scheduler.waiting)
+        num_batch = min(num_requests, self.scheduler.config.max_num_seqs)
+        return dataclasses.replace(target_step, num_waiting=num_requests - num_batch, num_batch=num_batch)
 
     def _verify(self, scheduled: list[tuple], logits: np.ndarray) -> dict[str, Verdict]:
         """What each request that reached the end of its tokens commits: one sampled (or greedy)

@@ -168,7 +168,7 @@ class DFlashDrafter:
         requests = [r for _, r in target_step.scheduled if r is not None and not r.is_finished]
         reshaped = self._last_target_rows is not None and target_step.num_rows != self._last_target_rows
         self._last_target_rows = target_step.num_rows
-        windows = self._plan(requests, closed=target_step.num_waiting == 0)
+        windows = self._plan(requests, max(len(requests), target_step.num_batch), closed=target_step.num_waiting == 0)
         candidates: Candidates = {}
         if windows:
             candidates = self._run(windows)
@@ -243,9 +243,10 @@ class DFlashDrafter:
         wanted = request.sampling_params.num_assistant_tokens
         return self.spec.max_candidates if wanted is None else min(wanted, self.spec.max_candidates)
 
-    def _plan(self, requests: list[Request], closed: bool) -> list[_Window]:
-        """Each schedule decides for its requests (`closed`: no request waits for a place); a window
-        for each request that drafts."""
+    def _plan(self, requests: list[Request], num_batch: int, closed: bool) -> list[_Window]:
+        """Each schedule decides for its requests (`num_batch`: the batch the adaptive schedule prices
+        the step at, `TargetStep.num_batch`; `closed`: no request waits for a place); a window for each
+        request that drafts."""
         by_schedule: dict[str, list[Candidate]] = {}
         for request in requests:
             if self._may_draft(request):
@@ -260,7 +261,7 @@ class DFlashDrafter:
         others = [(c.num_pending_rows, k + offset, k) for name in ("constant", "heuristic")
                   for c in by_schedule.get(name, ()) if (k := blocks[c.req_id])]  # fmt: skip
         others = tuple(sum(counts) for counts in zip(*others)) if others else (0, 0, 0)
-        blocks.update(self.adaptive.plan(by_schedule.get("adaptive", ()), num_generating=len(requests), candidate_offset=offset,
+        blocks.update(self.adaptive.plan(by_schedule.get("adaptive", ()), num_generating=num_batch, candidate_offset=offset,
                                          other_draft_rows=others, last_rows=self._last_target_rows, closed=closed))  # fmt: skip
         self.stats.num_decisions += len(blocks)
         self.stats.num_drafting += sum(1 for k in blocks.values() if k)

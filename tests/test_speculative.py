@@ -417,15 +417,18 @@ def test_adaptive_schedule_is_lossless_and_stays_in_the_block(engines, mixed_ref
 
 
 def test_the_adaptive_schedule_knows_whether_requests_wait_for_a_place(engines, mixed_reference):
-    """Three requests, two places: while the third waits, a request that ends early hands its place
-    on, and the schedule plans for throughput (closed=False); once nothing waits, the running requests
-    are all there is to finish (closed=True). Output stays the target's."""
-    engine = engines.get("mixed", "dspark_ctx", max_num_seqs=2)
+    """Three requests, two places, a small token budget: while the third waits, a request that ends
+    early hands its place on, and the schedule plans for throughput (closed=False); once nothing waits,
+    the running requests are all there is to finish (closed=True). Steps are priced at the batch's size,
+    requests still reading their prompts (or admitted and held back by the token budget) included.
+    Output stays the target's."""
+    engine = engines.get("mixed", "dspark_ctx", max_num_seqs=2, max_num_batched_tokens=16)
     adaptive = engine.drafter.adaptive
-    seen: list[tuple[bool, int]] = []
+    seen: list[tuple[bool, int, int, int]] = []
 
     def spy(candidates, **kwargs):
-        seen.append((kwargs["closed"], len(engine.scheduler.waiting)))
+        num_requests = len(engine.scheduler.running) + len(engine.scheduler.waiting)
+        seen.append((kwargs["closed"], kwargs["num_generating"], len(candidates), num_requests))
         return plan(candidates, **kwargs)
 
     plan, adaptive.plan = adaptive.plan, spy
@@ -436,8 +439,10 @@ def test_the_adaptive_schedule_knows_whether_requests_wait_for_a_place(engines, 
     finally:
         del adaptive.plan  # the class's own again
     assert [r.token_ids for r in run.results] == [mixed_reference[t] for t in texts]
-    assert all(closed == (waiting == 0) for closed, waiting in seen)
-    assert (False, 1) in seen and (True, 0) in seen
+    assert all(closed == (num_requests <= 2) for closed, _, _, num_requests in seen)
+    assert all(batch == min(num_requests, 2) for _, batch, _, num_requests in seen)
+    assert {closed for closed, *_ in seen} == {False, True}
+    assert any(num_candidates < batch for _, batch, num_candidates, _ in seen)  # one still reads its prompt
 
 
 class PausingSchedule:
