@@ -3,6 +3,7 @@
     python benchmarks/bench_never_drafting.py                       # HumanEval, 32 prompts, waves of 8, 3 rounds
     python benchmarks/bench_never_drafting.py --dataset benchmarks/chat_prompts.txt --concurrency 16
     python benchmarks/bench_never_drafting.py --constant 3          # also the constant 3
+    python benchmarks/bench_never_drafting.py --schedule-memory     # the schedule as `dflash bench` left it
 
 One speculative engine on the embedded default pair (DSpark) serves every setting: never drafting
 (`SamplingParams(num_assistant_tokens=0)`: the target still emits the hidden states), the default
@@ -31,7 +32,8 @@ from dflash.bench.datasets import load_dataset
 from dflash.core import adaptive
 from dflash.core.config import EngineConfig, SamplingParams
 from dflash.core.engine import LLMEngine
-from dflash.exporters.default_pair import ensure_default_pair
+from dflash.core.schedule_memory import ScheduleMemory
+from dflash.exporters.default_pair import cache_dir, ensure_default_pair
 
 
 def main() -> None:
@@ -43,12 +45,19 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--constant", type=int, nargs="*", default=[], help="also these constant candidate counts")
     parser.add_argument("--target-alone", action="store_true", help="also the target alone, on its own engine")
+    parser.add_argument("--schedule-memory", action="store_true",
+                        help="start from what `dflash bench` and `dflash generate` kept (~/.cache/dflash/schedule), without writing back")  # fmt: skip
     args = parser.parse_args()
     pair = ensure_default_pair("dspark")
     prompts = load_dataset(args.dataset, args.num_prompts)
     config = EngineConfig(max_num_seqs=args.concurrency)
     engine = LLMEngine(pair.target_dir, config, draft_dir=pair.draft_dir)
     schedule = engine.drafter.adaptive
+    if args.schedule_memory:  # read, never written: a benchmark does not change what later runs start from
+        memory = ScheduleMemory.for_engine(cache_dir() / "schedule", pair.target_dir, pair.draft_dir, config)
+        print(
+            f"schedule memory {memory.path}: {'restored' if memory.load(schedule) else 'none that fits, starting from nothing'}"
+        )
 
     def params(**kwargs) -> SamplingParams:
         return SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True, **kwargs)
