@@ -16,7 +16,8 @@
 #                                         #   another batch order (SEED): every call's weights end annealed (lr 0), so a
 #                                         #   machine lost between calls loses no more than the call that was not sent
 #
-# Knobs (environment): DRAFTS (name:kind:layers:target_layers:block, space separated), INIT (name=checkpoint dir in
+# Knobs (environment): DRAFTS (name:kind:layers:target_layers:block[:loss], space separated; loss: `dflash train
+# --loss`, kl when left out), INIT (name=checkpoint dir in
 # the checkout, space separated: `run` passes it as --init-from; the dir must travel with that call), CALL_S (seconds
 # this call may take, 540: at most the call's limit less 60), GEN_S (generation seconds, 170), GEN_PROCS (4),
 # GEN_BATCH (768), MAX_NEW (256), CHAT_SAMPLES (0: one shuffled greedy pass over chat + stub prompts, then sampled
@@ -303,12 +304,13 @@ train_all() {  # every draft of $DRAFTS at once, until the call's deadline ($1: 
   local stop=$((DEADLINE - $(date +%s) - 60))  # final held-out eval, save and pack fit in the rest
   log "training until +$stop s: $DRAFTS"
   for spec in $DRAFTS; do
-    IFS=: read -r name kind layers tl block <<< "$spec"
-    local markov=() lr=()
+    IFS=: read -r name kind layers tl block loss <<< "$spec"
+    local markov=() lr=() losses=()
     [ "$kind" = dspark ] && markov=(--markov-rank "$MARKOV_RANK")
+    [ -n "$loss" ] && losses=(--loss "$loss")
     [ -n "$LR" ] && lr=(--lr "$LR")
     "$PY" -m dflash.cli.train "$DEV/smollm2-hf" "$DEV/$name" --kind "$kind" --block-size "$block" --num-layers "$layers" \
-      --target-layer-ids "$tl" "${markov[@]}" "${lr[@]}" "${data[@]}" $bench --batch-size "$BATCH" --num-anchors "$ANCHORS" \
+      --target-layer-ids "$tl" "${markov[@]}" "${lr[@]}" "${losses[@]}" "${data[@]}" $bench --batch-size "$BATCH" --num-anchors "$ANCHORS" \
       --epochs 100 --time-limit "$TOTAL_TRAIN_S" --stop-after "$stop" --save-every 60 --log-every 100 --eval-every 200 \
       --eval-sequences 256 --device "$DEVICE" $extra $(init_flags "$name") --json > "$DEV/train-$name.json" 2>> "$DEV/train-$name.log" &
     pids+=($!)
