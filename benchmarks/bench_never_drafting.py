@@ -4,8 +4,9 @@
     python benchmarks/bench_never_drafting.py --dataset benchmarks/chat_prompts.txt --concurrency 16
     python benchmarks/bench_never_drafting.py --constant 3          # also the constant 3
     python benchmarks/bench_never_drafting.py --schedule-memory     # the schedule as `dflash bench` left it
+    python benchmarks/bench_never_drafting.py --target T --draft D  # another pair than the embedded default
 
-One speculative engine on the embedded default pair (DSpark) serves every setting: never drafting
+One speculative engine on the embedded default pair (DSpark; or `--target` and `--draft`) serves every setting: never drafting
 (`SamplingParams(num_assistant_tokens=0)`: the target still emits the hidden states), the default
 (adaptive) schedule, and optionally constants; the target alone runs on an engine of its own
 (`--target-alone`). The settings take turns wave by wave (closed waves of `--concurrency` prompts, as
@@ -27,13 +28,14 @@ import argparse
 import collections
 import copy
 import time
+from pathlib import Path
 
 from dflash.bench.datasets import load_dataset
 from dflash.core import adaptive
 from dflash.core.config import EngineConfig, SamplingParams
 from dflash.core.engine import LLMEngine
 from dflash.core.schedule_memory import ScheduleMemory
-from dflash.exporters.default_pair import cache_dir, ensure_default_pair
+from dflash.exporters.default_pair import DefaultPair, cache_dir, ensure_default_pair
 
 
 def main() -> None:
@@ -47,8 +49,12 @@ def main() -> None:
     parser.add_argument("--target-alone", action="store_true", help="also the target alone, on its own engine")
     parser.add_argument("--schedule-memory", action="store_true",
                         help="start from what `dflash bench` and `dflash generate` kept (~/.cache/dflash/schedule), without writing back")  # fmt: skip
+    parser.add_argument("--target", help="an exported target folder (with --draft; default: the embedded default pair)")
+    parser.add_argument("--draft", help="an exported draft folder for --target")
     args = parser.parse_args()
-    pair = ensure_default_pair("dspark")
+    if (args.target is None) != (args.draft is None):
+        parser.error("--target and --draft go together")
+    pair = DefaultPair(Path(args.target), Path(args.draft), None) if args.target else ensure_default_pair("dspark")
     prompts = load_dataset(args.dataset, args.num_prompts)
     config = EngineConfig(max_num_seqs=args.concurrency)
     engine = LLMEngine(pair.target_dir, config, draft_dir=pair.draft_dir)

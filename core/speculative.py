@@ -366,6 +366,12 @@ class DFlashDrafter:
                 first = row + w.num_context + self.spec.candidate_position_offset
                 candidate_rows += range(first, first + w.num_candidates)
             row += w.num_context + w.num_block_rows
+        padding = self.runner.padding(row)
+        if padding is not None:  # steady shapes (draft_runner.ROW_BUCKET): rows no request reads
+            seqs.append(padding)
+            token_ids += [self.spec.mask_token_id] * padding.num_new_rows
+            token_types += [CONTEXT_ROW] * padding.num_new_rows
+            hidden.append(np.zeros((padding.num_new_rows, width), dtype=np.float32))
         return DraftInputs(
             seqs=seqs,
             token_ids=np.asarray(token_ids, dtype=np.int64),  # [num_tokens]

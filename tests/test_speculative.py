@@ -40,6 +40,7 @@ import openvino as ov
 import pytest
 
 from dflash.core.config import EXACT_OV_CONFIG, SamplingParams
+from dflash.core.draft_runner import ROW_BUCKET
 from dflash.core.engine import EngineConfig, GenerationResult, LLMEngine, RequestOutput
 from dflash.core.graph import (
     find_embedding_gather,
@@ -690,6 +691,39 @@ def test_sixteen_requests_lossless(engines, mixed_reference, baseline, draft, sc
     assert not engine.warnings
     if "preemption" in scenario:
         assert any(r.num_preemptions > 0 for r in run.requests)
+
+
+@pytest.mark.parametrize("draft", CTX_DRAFTS)
+def test_padding_rows_change_no_candidate_and_keep_the_draft_calls_in_buckets(engines, mixed_reference, baseline, draft):
+    """Every draft call is padded to a multiple of `row_bucket` rows by a sequence of its own that writes
+    into scratch blocks no request holds. Run unpadded, sixteen requests propose exactly what the single
+    requests proposed padded (the baseline), so the padding neither changes a candidate nor touches a
+    request's keys and values."""
+    engine = engines.get("mixed", draft, max_num_batched_tokens=255)  # an engine of its own
+    runner, pool = engine.drafter.runner, engine.drafter.kv_cache_manager.pool
+    assert runner.row_bucket == ROW_BUCKET and min(runner.scratch_blocks) == pool.num_blocks == runner.num_blocks
+    rows_per_call: list[int] = []
+    infer = runner._infer
+
+    def recording_infer(seqs, rows, sample_rows):
+        rows_per_call.append(len(rows["input_ids"]))
+        return infer(seqs, rows, sample_rows)
+
+    runner._infer = recording_infer
+    log = engines.log(engine)
+    try:
+        for bucket in (1, ROW_BUCKET):
+            runner.row_bucket = bucket
+            log.entries.clear()
+            rows_per_call.clear()
+            run = run_all(engine, SIXTEEN)
+            assert [r.token_ids for r in run.results] == [mixed_reference[t] for t in SIXTEEN]
+            check_same_candidates(log.entries, baseline[draft], min_overlap=20)
+            off_bucket = [rows for rows in rows_per_call if rows % ROW_BUCKET]
+            assert off_bucket if bucket == 1 else not off_bucket, rows_per_call
+    finally:
+        runner.row_bucket = ROW_BUCKET
+        del runner._infer
 
 
 @pytest.mark.parametrize("draft", CTX_DRAFTS)
