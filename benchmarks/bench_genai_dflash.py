@@ -183,20 +183,25 @@ def resolve_models(args: argparse.Namespace, log) -> tuple[Path, Path, Path]:
         if not (args.draft and args.draft_checkpoint):
             raise SystemExit("--target needs --draft (dflash export) and --draft-checkpoint (its source checkpoint)")
         target, draft, checkpoint = args.target, args.draft, args.draft_checkpoint
+        name = f"{Path(checkpoint).name}-fp16"
     else:
         from dflash.exporters.default_pair import DRAFTS, DRAFTS_DIR, ensure_default_pair
 
         pair = ensure_default_pair("dflash", on_step=log)
         target, checkpoint = pair.target_dir, DRAFTS_DIR / DRAFTS["dflash"]
+        # Exports named after the default pair's draft folder, which carries the checkpoint's fingerprint:
+        # a new shipped checkpoint gets exports of its own (named after the checkpoint alone, a stale
+        # export of the previous weights was reused).
+        name = pair.draft_dir.name
         # The default pair's draft proposes from a draft vocabulary (docs/draft-format.md); the peer's
         # from the whole vocabulary. Like for like: our export of the same checkpoint without the cut.
-        draft = args.cache_dir / "dflash-draft" / f"{checkpoint.name}-whole-vocab-fp16"
+        draft = args.cache_dir / "dflash-draft" / f"{name}-whole-vocab"
         if not (draft / "openvino_model.xml").is_file():
             from dflash.exporters.draft import export_draft
 
             log(f"exporting {checkpoint} with its whole vocabulary into {draft}")
             export_draft(checkpoint, draft, draft_vocab_size=0, overwrite=True)
-    stateful = args.cache_dir / "genai-dflash" / f"{checkpoint.name}-stateful-fp16"
+    stateful = args.cache_dir / "genai-dflash" / f"{name}-stateful"
     if not (stateful / "openvino_model.xml").is_file():
         log(f"exporting {checkpoint} with optimum-intel's stateful DFlash exporter into {stateful}")
         partial = stateful.with_name(stateful.name + ".partial")
