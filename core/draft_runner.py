@@ -8,7 +8,7 @@ logits to the candidate rows. Each step runs one packed inference over every req
     [ new committed target hidden rows (type 0) ; seed/anchor + mask rows (type 1) ]
 
 and, after the windows, padding rows that bring the call to a multiple of `ROW_BUCKET` rows: a context
-sequence of its own that writes into a scratch block no request holds. The windows' rows change with
+sequence of its own that writes into scratch blocks no request holds. The windows' rows change with
 every step's acceptance, and OpenVINO's CPU plugin prepares every node again when an input's shape
 differs from the previous call's (about a millisecond of a 3-layer draft's 3-6 ms step); padding
 context rows cost less than that (they only write keys and values).
@@ -71,7 +71,8 @@ class DraftRunner(PagedModel):
             to_paged_attention(model)
             insert_logits_gather(model)
         super().__init__(model, device=device, ov_config=ov_config)
-        self.row_bucket = ROW_BUCKET  # 1: no padding (set before allocate_cache)
+        # 1: no padding; never more than at allocate_cache, whose scratch blocks hold row_bucket - 1 rows
+        self.row_bucket = ROW_BUCKET
         self.scratch_blocks: list[int] = []  # allocate_cache
 
     def allocate_cache(self, num_blocks: int) -> None:
