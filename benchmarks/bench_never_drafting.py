@@ -5,10 +5,13 @@
     python benchmarks/bench_never_drafting.py --constant 3          # also the constant 3
     python benchmarks/bench_never_drafting.py --schedule-memory     # the schedule as `dflash bench` left it
     python benchmarks/bench_never_drafting.py --target T --draft D  # another pair than the embedded default
+    python benchmarks/bench_never_drafting.py --variant margin0:min_gain=0 --variant same:  # schedule A/B
 
 One speculative engine on the embedded default pair (DSpark; or `--target` and `--draft`) serves every setting: never drafting
 (`SamplingParams(num_assistant_tokens=0)`: the target still emits the hidden states), the default
-(adaptive) schedule, and optionally constants; the target alone runs on an engine of its own
+(adaptive) schedule, and optionally constants and variants of the default (`--variant`: schedule attributes
+set while that setting's waves run; a variant with none measures the spread between two identical
+settings); the target alone runs on an engine of its own
 (`--target-alone`). The settings take turns wave by wave (closed waves of `--concurrency` prompts, as
 `dflash bench` runs them), each wave from a cold prefix cache: on one engine, a setting that ran a
 prompt second would otherwise skip its prefill. Two engines compiled from the same files run the same
@@ -49,6 +52,8 @@ def main() -> None:
     parser.add_argument("--target-alone", action="store_true", help="also the target alone, on its own engine")
     parser.add_argument("--schedule-memory", action="store_true",
                         help="start from what `dflash bench` and `dflash generate` kept (~/.cache/dflash/schedule), without writing back")  # fmt: skip
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME:ATTR=VALUE,...",
+                        help="also the default schedule with these AdaptiveSchedule attributes set, e.g. margin0:min_gain=0 (repeatable)")  # fmt: skip
     parser.add_argument("--target", help="an exported target folder (with --draft; default: the embedded default pair)")
     parser.add_argument("--draft", help="an exported draft folder for --target")
     args = parser.parse_args()
@@ -71,6 +76,14 @@ def main() -> None:
     settings = {"never drafting": (engine, params(num_assistant_tokens=0)), "default": (engine, params())}
     for k in args.constant:
         settings[f"constant {k}"] = (engine, params(num_assistant_tokens=k, num_assistant_tokens_schedule="constant"))
+    overrides: dict[str, dict[str, float]] = {}  # setting -> AdaptiveSchedule attributes set while its waves run
+    for variant in args.variant:
+        name, _, assignments = variant.partition(":")
+        overrides[name] = {key: float(value) for key, value in (a.split("=", 1) for a in assignments.split(",") if a)}
+        for key in overrides[name]:
+            if not hasattr(schedule, key):
+                parser.error(f"--variant {variant}: AdaptiveSchedule has no attribute {key!r}")
+        settings[name] = (engine, params())
     if args.target_alone:
         settings["target alone"] = (LLMEngine(pair.target_dir, config), params())
 
@@ -96,10 +109,15 @@ def main() -> None:
             for name in names[w % len(names) :] + names[: w % len(names)]:
                 each, sampling = settings[name]
                 each.reset_prefix_cache()
+                saved = {key: getattr(schedule, key) for key in overrides.get(name, {})}
+                for key, value in overrides.get(name, {}).items():
+                    setattr(schedule, key, value)
                 before, drafting, decided = copy.copy(each.times), schedule.num_drafting, schedule.num_decisions
                 start = time.perf_counter()
                 each.generate(wave, sampling, chat=True)
                 wall[name] += time.perf_counter() - start
+                for key, value in saved.items():
+                    setattr(schedule, key, value)
                 step = each.times - before
                 times[name] = step if name not in times else times[name] + step
                 if each is engine:
