@@ -19,13 +19,13 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import dataclass
-from pathlib import Path
+
+from bench_hidden_outputs import add_pair_arguments, pair_dirs
 
 from dflash.bench.datasets import load_dataset
 from dflash.core.config import EngineConfig, SamplingParams
 from dflash.core.draft_runner import ROW_BUCKET
 from dflash.core.engine import LLMEngine
-from dflash.exporters.default_pair import ensure_default_pair
 
 
 @dataclass
@@ -64,16 +64,9 @@ def main() -> None:
     parser.add_argument("--candidates", type=int, help="the constant schedule's candidates (default: the draft's block)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--target", help="an exported target folder (with --draft; default: the embedded default pair)")
-    parser.add_argument("--draft", help="an exported draft folder for --target")
+    add_pair_arguments(parser)
     args = parser.parse_args()
-    if (args.target is None) != (args.draft is None):
-        parser.error("--target and --draft go together")
-    if args.target:
-        target, draft = Path(args.target), Path(args.draft)
-    else:
-        pair = ensure_default_pair("dspark")
-        target, draft = pair.target_dir, pair.draft_dir
+    target, draft = pair_dirs(args)
     prompts = load_dataset(args.dataset, args.num_prompts)
     for concurrency in args.concurrency:
         engine = LLMEngine(target, EngineConfig(max_num_seqs=concurrency), draft_dir=draft)

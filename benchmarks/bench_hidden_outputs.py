@@ -29,15 +29,21 @@ def add_pair_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft", type=Path, help="exported draft whose target layers are read (default: the default DSpark)")
 
 
+def pair_dirs(args: argparse.Namespace) -> tuple[Path, Path]:
+    """(target, draft): --target and --draft, else the embedded default DSpark pair (exported on first use)."""
+    if (args.target is None) != (args.draft is None):
+        raise SystemExit("--target and --draft go together")
+    if args.target:
+        return args.target, args.draft
+    from dflash.exporters.default_pair import ensure_default_pair
+
+    pair = ensure_default_pair("dspark")
+    return pair.target_dir, pair.draft_dir
+
+
 def target_and_hidden_layers(args: argparse.Namespace) -> tuple[Path, tuple[int, ...]]:
     """The target of --target/--draft (else of the embedded default DSpark pair) and the layers its draft reads."""
-    if args.target and args.draft:
-        target, draft = args.target, args.draft
-    else:
-        from dflash.exporters.default_pair import ensure_default_pair
-
-        pair = ensure_default_pair("dspark")
-        target, draft = pair.target_dir, pair.draft_dir
+    target, draft = pair_dirs(args)
     return target, tuple(read_draft_metadata(read_ov_model(draft)).target_layer_ids)
 
 

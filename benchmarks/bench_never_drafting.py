@@ -31,14 +31,15 @@ import argparse
 import collections
 import copy
 import time
-from pathlib import Path
+
+from bench_hidden_outputs import add_pair_arguments, pair_dirs
 
 from dflash.bench.datasets import load_dataset
 from dflash.core import adaptive
 from dflash.core.config import EngineConfig, SamplingParams
 from dflash.core.engine import LLMEngine
 from dflash.core.schedule_memory import ScheduleMemory
-from dflash.exporters.default_pair import DefaultPair, cache_dir, ensure_default_pair
+from dflash.exporters.default_pair import DefaultPair, cache_dir
 
 
 def main() -> None:
@@ -54,12 +55,9 @@ def main() -> None:
                         help="start from what `dflash bench` and `dflash generate` kept (~/.cache/dflash/schedule), without writing back")  # fmt: skip
     parser.add_argument("--variant", action="append", default=[], metavar="NAME:ATTR=VALUE,...",
                         help="also the default schedule with these AdaptiveSchedule attributes set, e.g. margin0:min_gain=0 (repeatable)")  # fmt: skip
-    parser.add_argument("--target", help="an exported target folder (with --draft; default: the embedded default pair)")
-    parser.add_argument("--draft", help="an exported draft folder for --target")
+    add_pair_arguments(parser)
     args = parser.parse_args()
-    if (args.target is None) != (args.draft is None):
-        parser.error("--target and --draft go together")
-    pair = DefaultPair(Path(args.target), Path(args.draft), None) if args.target else ensure_default_pair("dspark")
+    pair = DefaultPair(*pair_dirs(args), None)
     prompts = load_dataset(args.dataset, args.num_prompts)
     config = EngineConfig(max_num_seqs=args.concurrency)
     engine = LLMEngine(pair.target_dir, config, draft_dir=pair.draft_dir)
