@@ -26,7 +26,7 @@ the steps the request can still draft: the catch-up serves them all).
 
 That step-by-step rate is what counts while requests wait for a place in the batch: one that ends early
 hands its place on. In a closed batch (nothing waits) the batch lasts as long as its slowest request,
-and a drafting plan must also finish every running request `min_gain` sooner than drafting nothing
+and a drafting plan must also finish every running request `closed_min_gain` (5%) sooner than drafting nothing
 (`_finishes_sooner`): each request ends after its remaining tokens over its expected tokens a step (a
 drafting one later by the spread of its accepted lengths, as the latest of the batch would), and each
 stretch between two ends costs a step of the requests still running. A request alone is its own
@@ -323,10 +323,9 @@ _FADE_EVERY = 8  # steps between two fades of a paused request's evidence
 _MIN_MEASURED = 3  # steps of a row count before their mean replaces the line's price
 
 
-def _running_mean(means: dict, key, seconds: float) -> None:
-    """The mean of a kind of step, recent steps weighing more once there are ten (a running mean)."""
-    mean, n = means.get(key, (0.0, 0))
-    means[key] = (mean + (seconds - mean) / min(n + 1, 10), n + 1)
+def _running_mean(mean: float, steps: int, seconds: float) -> tuple[float, int]:
+    """A mean of a kind of step with one more step, recent steps weighing more once there are ten."""
+    return mean + (seconds - mean) / min(steps + 1, 10), steps + 1
 
 
 def _mean(item) -> tuple[float, int]:
@@ -391,6 +390,7 @@ class AdaptiveSchedule:
     probe_candidates: int = 2
     probe_budget: float = 0.02  # the share of a paused request's time its probes may lose, on expectation
     min_gain: float = 0.05
+    closed_min_gain: float = 0.05  # how much sooner a drafting plan must finish a closed batch (`_finishes_sooner`); -1: no such rule
     # At most this prior strength, requests differ so much (a draft that suits some prompts and fails on
     # others) that a new request's first probe is worth more than its expected loss: it tells a request
     # the engine-wide figure would keep paused that it should draft (`_probe`).
@@ -405,6 +405,10 @@ class AdaptiveSchedule:
     # explored (drafting 3 steps in 4) for over a thousand steps
     draft_cost: LinearCost = field(default_factory=lambda: LinearCost(num_counts=3, optional=(0,)))
     shape_window: int = 32  # the latest drafting steps (per batch-size class) that tell how long a shape lasts
+    # A row count's mean (`verify_step_seconds`) prices its steps until this many steps that verified
+    # candidates for the same number of requests have passed without one of its own; then the line again
+    # (as long as the line remembers its steps: `LinearCost.window`).
+    mean_lifetime: int = 128
 
     def __post_init__(self) -> None:
         for name in ("probe_after", "max_probe_after"):  # probes of several requests share steps (`_probe`)
@@ -427,7 +431,9 @@ class AdaptiveSchedule:
         # whether each of the two latest plans drafted by choice (not only probes or exploration): the
         # target step observed after a plan was planned by the one before it
         self._chosen: deque[bool] = deque([False, False], maxlen=2)
-        self._verify_seconds: dict[int, dict[int, tuple[float, int]]] = {}  # requests -> rows -> (mean, steps)
+        # requests -> rows -> (running mean seconds, steps, when last measured: `_verify_clock`)
+        self._verify_seconds: dict[int, dict[int, tuple[float, int, int]]] = {}
+        self._verify_clock: dict[int, int] = {}  # requests -> steps observed that verified candidates for them
         self._seen_shapes: set[tuple[str, int]] = set()  # ("target" | "draft", rows) observed at least once
         # per batch-size class: whether each of the latest steps that verified candidates changed shape
         self._shape_changes: dict[int, deque[bool]] = {}
@@ -469,10 +475,15 @@ class AdaptiveSchedule:
             return
         if verified_candidates:
             self.target_cost(num_requests).observe((rows, int(reshaped)), seconds)
+            clock = self._verify_clock[num_requests] = self._verify_clock.get(num_requests, 0) + 1
             if not reshaped:
-                _running_mean(self._verify_seconds.setdefault(num_requests, {}), rows, seconds)
+                by_rows = self._verify_seconds.setdefault(num_requests, {})
+                if rows in by_rows and clock - by_rows[rows][2] > self.mean_lifetime:
+                    del by_rows[rows]  # expired (`_measured_verify_seconds`): measured again from this step
+                by_rows[rows] = (*_running_mean(*by_rows.get(rows, (0.0, 0))[:2], seconds), clock)
             return
-        _running_mean(self._plain_reshaped_seconds if reshaped else self._plain_seconds, rows, seconds)
+        means = self._plain_reshaped_seconds if reshaped else self._plain_seconds
+        means[rows] = _running_mean(*means.get(rows, (0.0, 0)), seconds)
         if reshaped and rows in self._plain_seconds:
             # What a change of shape costs, measured where it is measured cleanly: a plain step that
             # changed shape against one that did not, of the same rows. The line of steps that verified
@@ -509,9 +520,18 @@ class AdaptiveSchedule:
         return measured if measured is not None else self.target_cost(num_requests).seconds(rows, 0)
 
     def _measured_verify_seconds(self, num_requests: int) -> dict[int, float]:
-        """rows -> mean seconds, of the row counts measured `_MIN_MEASURED` times for `num_requests` requests."""
-        by_rows = self._verify_seconds.get(num_requests, {})
-        return {rows: mean for rows, (mean, steps) in by_rows.items() if steps >= _MIN_MEASURED}
+        """rows -> mean seconds, of the row counts measured `_MIN_MEASURED` times for `num_requests` requests
+        and again within the latest `mean_lifetime` steps that verified candidates for them.
+
+        A mean that is not measured again is not kept for good: a row count measured while the machine ran
+        fast (or on a lucky streak) stays cheap, is chosen again and corrected, but one measured slow is never
+        chosen, so never measured again, and is never corrected (a winner's curse). On a 2-core VM whose
+        speed moves up to 30% between minutes, at c=8 with the closed-batch rule off, means kept from a fast
+        minute priced 57-row steps cheap, which then took 63-76 ms where the constant 3's 32 rows took 33.
+        Expired, a row count is priced on the line, which keeps only its latest steps."""
+        by_rows, clock = self._verify_seconds.get(num_requests, {}), self._verify_clock.get(num_requests, 0)
+        return {rows: mean for rows, (mean, steps, seen) in by_rows.items()
+                if steps >= _MIN_MEASURED and clock - seen <= self.mean_lifetime}  # fmt: skip
 
     def reshape_seconds(self, num_requests: int = 1) -> float:
         """What a target step pays for rows that differ from the previous step's (as of the latest fit)."""
@@ -576,7 +596,7 @@ class AdaptiveSchedule:
             "draft_cost": self.draft_cost.state(),
             "target_costs": {str(k): cost.state() for k, cost in self.target_costs.items()},
             "plain_seconds": {str(rows): list(mean) for rows, mean in self._plain_seconds.items()},
-            "verify_seconds": {str(n): {str(rows): list(mean) for rows, mean in by_rows.items()}
+            "verify_seconds": {str(n): {str(rows): [mean, steps] for rows, (mean, steps, _) in by_rows.items()}
                                for n, by_rows in self._verify_seconds.items()},  # fmt: skip
             "shape_changes": {str(k): [int(changed) for changed in v] for k, v in self._shape_changes.items()},
             "acceptance": {name: getattr(self.engine_wide, name).tolist() for name in ("drafted", "reached", "accepted")},
@@ -618,8 +638,10 @@ class AdaptiveSchedule:
             raise ValueError(f"malformed schedule state: {error!r}") from error
         self.target_costs.update(lines)
         self._plain_seconds.update(plain)
-        for n, by_rows in verify.items():
-            self._verify_seconds.setdefault(n, {}).update(by_rows)
+        for n, by_rows in verify.items():  # as if measured just now, just often enough: new steps soon outweigh them
+            clock = self._verify_clock.get(n, 0)
+            self._verify_seconds.setdefault(n, {}).update(
+                {rows: (mean, min(steps, _MIN_MEASURED), clock) for rows, (mean, steps) in by_rows.items()})
         for k, v in changes.items():
             self._shape_changes.setdefault(k, deque(maxlen=self.shape_window)).extend(v)
         self._finished.extend(finished)
@@ -826,7 +848,7 @@ class AdaptiveSchedule:
             return self.plain_step_seconds(num_requests, line)
 
         with_plan = catch_up + _seconds_to_finish(drafting + others, plain_seconds, t_row, d_fixed)
-        return with_plan * (1 + self.min_gain) < _seconds_to_finish(plain + others, plain_seconds, t_row, d_fixed)
+        return with_plan * (1 + self.closed_min_gain) < _seconds_to_finish(plain + others, plain_seconds, t_row, d_fixed)
 
     def _probe(self, candidates: Sequence[Candidate], ks: dict[str, int], num_generating: int, offset: int) -> None:
         """Paused requests try again now and then; a probe that did not bring drafting back waits
