@@ -2,10 +2,12 @@
 
     python benchmarks/trace_adaptive_steps.py                 # HumanEval, 24 prompts in waves of 8
     python benchmarks/trace_adaptive_steps.py --concurrency 8 --num-prompts 24 --dataset benchmarks/chat_prompts.txt
+    python benchmarks/trace_adaptive_steps.py --target T --draft D    # another pair than the embedded default
 
 Records every draft step (context rows, block rows, candidate rows, seconds) and every generation step of
 the target (rows, seconds, whether it verified candidates) as the adaptive schedule observes them, on the
-embedded default pair (DSpark), and prints their sums: where a run that drafts little loses its time.
+embedded default pair (DSpark; or `--target` and `--draft`), and prints their sums: where a run that
+drafts little loses its time.
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ import collections
 import statistics
 import time
 
+from bench_hidden_outputs import add_pair_arguments, pair_dirs
+
 from dflash.bench.datasets import load_dataset
 from dflash.core import adaptive
 from dflash.core.config import EngineConfig, SamplingParams
 from dflash.core.engine import LLMEngine
-from dflash.exporters.default_pair import ensure_default_pair
 
 
 def main() -> None:
@@ -29,14 +32,15 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--timeline", action="store_true", help="also print every draft step, in order")
+    add_pair_arguments(parser)
     args = parser.parse_args()
-    pair = ensure_default_pair("dspark")
+    target_dir, draft_dir = pair_dirs(args)
     drafts, targets = [], []
     observe_draft, observe_target = adaptive.AdaptiveSchedule.observe_draft, adaptive.AdaptiveSchedule.observe_target
 
-    def on_draft(self, context_rows, block_rows, candidate_rows, seconds):
+    def on_draft(self, context_rows, block_rows, candidate_rows, seconds, **kwargs):
         drafts.append((context_rows, block_rows, candidate_rows, seconds))
-        return observe_draft(self, context_rows, block_rows, candidate_rows, seconds)
+        return observe_draft(self, context_rows, block_rows, candidate_rows, seconds, **kwargs)
 
     def on_target(self, rows, seconds, verified_candidates=True, reshaped=False, num_requests=1):
         targets.append((rows, seconds, verified_candidates, num_requests))
@@ -44,7 +48,7 @@ def main() -> None:
 
     adaptive.AdaptiveSchedule.observe_draft, adaptive.AdaptiveSchedule.observe_target = on_draft, on_target
     prompts = load_dataset(args.dataset, args.num_prompts)
-    engine = LLMEngine(pair.target_dir, EngineConfig(max_num_seqs=args.concurrency), draft_dir=pair.draft_dir)
+    engine = LLMEngine(target_dir, EngineConfig(max_num_seqs=args.concurrency), draft_dir=draft_dir)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     engine.generate(prompts[:2], params, chat=True)  # warm-up
     drafts.clear()

@@ -390,7 +390,8 @@ class AdaptiveSchedule:
     probe_candidates: int = 2
     probe_budget: float = 0.02  # the share of a paused request's time its probes may lose, on expectation
     min_gain: float = 0.05
-    closed_min_gain: float = 0.05  # how much sooner a drafting plan must finish a closed batch (`_finishes_sooner`); -1: no such rule
+    # how much sooner a drafting plan must finish a closed batch (`_finishes_sooner`); -1: no such rule
+    closed_min_gain: float = 0.05
     # At most this prior strength, requests differ so much (a draft that suits some prompts and fails on
     # others) that a new request's first probe is worth more than its expected loss: it tells a request
     # the engine-wide figure would keep paused that it should draft (`_probe`).
@@ -558,10 +559,16 @@ class AdaptiveSchedule:
         changes = self._shape_changes.get(batch_class(num_requests), ())
         return max(1.0, len(changes) / max(1, sum(changes)))
 
-    def observe_draft(self, context_rows: int, block_rows: int, candidate_rows: int, seconds: float) -> None:
+    def observe_draft(self, context_rows: int, block_rows: int, candidate_rows: int, seconds: float,
+                      shape_rows: int | None = None) -> None:  # fmt: skip
         """A draft step: its context rows, block rows and candidate rows (among the block rows), and seconds.
-        The first step of each row count is not used (`_first_of_shape`)."""
-        if not self._first_of_shape("draft", context_rows + block_rows):
+        The first step of each shape is not used (`_first_of_shape`): `shape_rows`, the rows of the call as
+        OpenVINO runs it (padding rows included: `DraftRunner.padded_rows`; default context + block rows).
+
+        Keyed by the rows alone, every catch-up (a paused request reading a few hundred committed rows at
+        once, each of another length) was a first step and none was fitted: at c=8 on an AVX2 CPU the
+        draft's line priced a context row at 0 where catch-ups of 226-269 rows took 30-58 ms."""
+        if not self._first_of_shape("draft", context_rows + block_rows if shape_rows is None else shape_rows):
             self.draft_cost.observe((context_rows, block_rows, candidate_rows), seconds)
 
     def _first_of_shape(self, model: str, rows: int) -> bool:

@@ -84,6 +84,10 @@ class DraftRunner(PagedModel):
         self.num_blocks = num_blocks
         self.scratch_blocks = list(range(num_blocks, num_blocks + num_scratch))
 
+    def padded_rows(self, num_rows: int) -> int:
+        """The rows of a call of `num_rows` rows as OpenVINO runs it (`padding` included): its shape."""
+        return num_rows + -num_rows % self.row_bucket
+
     def padding(self, num_rows: int) -> SequenceSlice | None:
         """The padding sequence that brings a call of `num_rows` rows to a multiple of `row_bucket`
         (None where it is one already): context rows at positions 0.. of the scratch blocks."""

@@ -180,8 +180,9 @@ class DFlashDrafter:
                                          num_requests=len(target_step.scheduled))  # fmt: skip
         if windows:
             self.stats.num_draft_steps += 1
-            self.adaptive.observe_draft(sum(w.num_context for w in windows), sum(w.num_block_rows for w in windows),
-                                        sum(w.num_candidates for w in windows), seconds)  # fmt: skip
+            context, block = sum(w.num_context for w in windows), sum(w.num_block_rows for w in windows)
+            self.adaptive.observe_draft(context, block, sum(w.num_candidates for w in windows), seconds,
+                                        shape_rows=self.runner.padded_rows(context + block))  # fmt: skip
         return candidates
 
     # ---- the ledger --------------------------------------------------------------------------

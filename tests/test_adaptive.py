@@ -225,6 +225,19 @@ def test_the_first_step_of_each_shape_is_not_measured():
     assert schedule.target_cost(1).fit() == pytest.approx((0.010, 0.002, 0.0))
 
 
+def test_a_draft_step_is_a_first_step_only_where_its_padded_shape_is_new():
+    """The draft's calls are padded to steady shapes (`DraftRunner.padded_rows`): a catch-up of another
+    length in a shape already run is measured. Keyed by the rows before padding, every catch-up was a
+    first step, none was fitted, and the line priced context rows at nothing."""
+    schedule = AdaptiveSchedule(min_steps=4)
+    schedule.observe_draft(3, 7, 7, 0.010, shape_rows=16)  # the first of shape 16: not measured
+    schedule.observe_draft(2, 7, 7, 0.010, shape_rows=16)
+    schedule.observe_draft(229, 7, 7, 0.050, shape_rows=240)  # the first of shape 240
+    schedule.observe_draft(226, 7, 7, 0.049, shape_rows=240)
+    schedule.observe_draft(1, 4, 4, 0.009)  # unpadded (a runner without padding): its rows are its shape
+    assert [counts for counts, _ in schedule.draft_cost.observations] == [(2, 7, 7), (226, 7, 7)]
+
+
 def test_catch_up_steps_do_not_turn_the_draft_into_a_fixed_cost():
     """Context rows (a paused request's catch-up) are cheap next to block rows; counted as one kind of
     row, steps with many of them pulled the per-row slope down (below zero on the tiny pair, where the
