@@ -603,7 +603,8 @@ class AdaptiveSchedule:
             "draft_cost": self.draft_cost.state(),
             "target_costs": {str(k): cost.state() for k, cost in self.target_costs.items()},
             "plain_seconds": {str(rows): list(mean) for rows, mean in self._plain_seconds.items()},
-            "verify_seconds": {str(n): {str(rows): [mean, steps] for rows, (mean, steps, _) in by_rows.items()}
+            "verify_seconds": {str(n): {str(rows): [mean, steps] for rows, (mean, steps, seen) in by_rows.items()
+                                        if self._verify_clock.get(n, 0) - seen <= self.mean_lifetime}  # expired: not kept
                                for n, by_rows in self._verify_seconds.items()},  # fmt: skip
             "shape_changes": {str(k): [int(changed) for changed in v] for k, v in self._shape_changes.items()},
             "acceptance": {name: getattr(self.engine_wide, name).tolist() for name in ("drafted", "reached", "accepted")},

@@ -183,7 +183,9 @@ def test_a_row_count_mean_not_measured_again_expires_and_is_measured_afresh():
     for i in range(schedule.mean_lifetime):  # steps on the line, of row counts measured before
         schedule.observe_target((4, 9, 16)[i % 3], 0.010 + 0.002 * (4, 9, 16)[i % 3])
     assert schedule.verify_step_seconds(5) == pytest.approx(0.040)  # the lifetime is not over yet
+    assert "5" in schedule.state()["verify_seconds"]["1"]
     schedule.observe_target(9, 0.028)
+    assert "5" not in schedule.state()["verify_seconds"]["1"]  # an expired mean is not handed to the next run
     assert schedule.plan([Candidate("a", 4)], num_generating=1)["a"] == 4
     assert schedule.verify_step_seconds(5) == pytest.approx(0.020)  # expired: the line (10 ms + 2 ms a row)
     for _ in range(3):
