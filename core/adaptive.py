@@ -406,9 +406,9 @@ class AdaptiveSchedule:
     # explored (drafting 3 steps in 4) for over a thousand steps
     draft_cost: LinearCost = field(default_factory=lambda: LinearCost(num_counts=3, optional=(0,)))
     shape_window: int = 32  # the latest drafting steps (per batch-size class) that tell how long a shape lasts
-    # A row count's mean (`verify_step_seconds`) prices its steps until this many steps that verified
-    # candidates for the same number of requests have passed without one of its own; then the line again
-    # (as long as the line remembers its steps: `LinearCost.window`).
+    # A row count's mean (`verify_step_seconds`) not measured again within this many steps that verified
+    # candidates for the same number of requests (as long as the line remembers its steps:
+    # `LinearCost.window`) weighs as if measured only `_MIN_MEASURED` times: its next steps soon outweigh it.
     mean_lifetime: int = 128
 
     def __post_init__(self) -> None:
@@ -479,9 +479,10 @@ class AdaptiveSchedule:
             clock = self._verify_clock[num_requests] = self._verify_clock.get(num_requests, 0) + 1
             if not reshaped:
                 by_rows = self._verify_seconds.setdefault(num_requests, {})
-                if rows in by_rows and clock - by_rows[rows][2] > self.mean_lifetime:
-                    del by_rows[rows]  # expired (`_measured_verify_seconds`): measured again from this step
-                by_rows[rows] = (*_running_mean(*by_rows.get(rows, (0.0, 0))[:2], seconds), clock)
+                mean, steps, seen = by_rows.get(rows, (0.0, 0, clock))
+                if clock - seen > self.mean_lifetime:  # stale (`_measured_verify_seconds`)
+                    steps = min(steps, _MIN_MEASURED)
+                by_rows[rows] = (*_running_mean(mean, steps, seconds), clock)
             return
         means = self._plain_reshaped_seconds if reshaped else self._plain_seconds
         means[rows] = _running_mean(*means.get(rows, (0.0, 0)), seconds)
@@ -521,18 +522,19 @@ class AdaptiveSchedule:
         return measured if measured is not None else self.target_cost(num_requests).seconds(rows, 0)
 
     def _measured_verify_seconds(self, num_requests: int) -> dict[int, float]:
-        """rows -> mean seconds, of the row counts measured `_MIN_MEASURED` times for `num_requests` requests
-        and again within the latest `mean_lifetime` steps that verified candidates for them.
+        """rows -> mean seconds, of the row counts measured `_MIN_MEASURED` times for `num_requests` requests.
 
-        A mean that is not measured again is not kept for good: a row count measured while the machine ran
-        fast (or on a lucky streak) stays cheap, is chosen again and corrected, but one measured slow is never
-        chosen, so never measured again, and is never corrected (a winner's curse). On a 2-core VM whose
-        speed moves up to 30% between minutes, at c=8 with the closed-batch rule off, means kept from a fast
-        minute priced 57-row steps cheap, which then took 63-76 ms where the constant 3's 32 rows took 33.
-        Expired, a row count is priced on the line, which keeps only its latest steps."""
-        by_rows, clock = self._verify_seconds.get(num_requests, {}), self._verify_clock.get(num_requests, 0)
-        return {rows: mean for rows, (mean, steps, seen) in by_rows.items()
-                if steps >= _MIN_MEASURED and clock - seen <= self.mean_lifetime}  # fmt: skip
+        A mean is a running mean (recent steps weigh more), and one not measured again within the latest
+        `mean_lifetime` steps that verified candidates for these requests weighs, at its next step, as if
+        measured only `_MIN_MEASURED` times. On a 2-core VM whose speed moves up to 30% between minutes, a
+        mean kept from a fast minute (or a schedule memory) priced 57-row steps at c=8 cheap, which then took
+        63-76 ms where the constant 3's 32 rows took 33, and ten steps passed before the mean caught up. A
+        stale mean still prices its row count until measured again (it is not dropped for the line: on an
+        AVX2 CPU at c=1, where a step of 1-4 rows costs 23-29 ms and 5-8 rows 38-72, the line through them
+        read 0 ms + 9.5 ms a row and priced 4 rows at 38 ms, which then were never chosen again). A mean
+        measured on a slow streak that is never chosen again stays as it is: the cautious side."""
+        by_rows = self._verify_seconds.get(num_requests, {})
+        return {rows: mean for rows, (mean, steps, _) in by_rows.items() if steps >= _MIN_MEASURED}
 
     def reshape_seconds(self, num_requests: int = 1) -> float:
         """What a target step pays for rows that differ from the previous step's (as of the latest fit)."""
@@ -603,8 +605,7 @@ class AdaptiveSchedule:
             "draft_cost": self.draft_cost.state(),
             "target_costs": {str(k): cost.state() for k, cost in self.target_costs.items()},
             "plain_seconds": {str(rows): list(mean) for rows, mean in self._plain_seconds.items()},
-            "verify_seconds": {str(n): {str(rows): [mean, steps] for rows, (mean, steps, seen) in by_rows.items()
-                                        if self._verify_clock.get(n, 0) - seen <= self.mean_lifetime}  # expired: not kept
+            "verify_seconds": {str(n): {str(rows): [mean, steps] for rows, (mean, steps, _) in by_rows.items()}
                                for n, by_rows in self._verify_seconds.items()},  # fmt: skip
             "shape_changes": {str(k): [int(changed) for changed in v] for k, v in self._shape_changes.items()},
             "acceptance": {name: getattr(self.engine_wide, name).tolist() for name in ("drafted", "reached", "accepted")},
