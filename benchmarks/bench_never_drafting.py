@@ -39,7 +39,7 @@ from dflash.core import adaptive
 from dflash.core.config import EngineConfig, SamplingParams
 from dflash.core.engine import LLMEngine
 from dflash.core.schedule_memory import ScheduleMemory
-from dflash.exporters.default_pair import DefaultPair, cache_dir
+from dflash.exporters.default_pair import cache_dir
 
 
 def main() -> None:
@@ -57,13 +57,13 @@ def main() -> None:
                         help="also the default schedule with these AdaptiveSchedule attributes set, e.g. margin0:min_gain=0 (repeatable)")  # fmt: skip
     add_pair_arguments(parser)
     args = parser.parse_args()
-    pair = DefaultPair(*pair_dirs(args), None)
+    target_dir, draft_dir = pair_dirs(args)
     prompts = load_dataset(args.dataset, args.num_prompts)
     config = EngineConfig(max_num_seqs=args.concurrency)
-    engine = LLMEngine(pair.target_dir, config, draft_dir=pair.draft_dir)
+    engine = LLMEngine(target_dir, config, draft_dir=draft_dir)
     schedule = engine.drafter.adaptive
     if args.schedule_memory:  # read, never written: a benchmark does not change what later runs start from
-        memory = ScheduleMemory.for_engine(cache_dir() / "schedule", pair.target_dir, pair.draft_dir, config)
+        memory = ScheduleMemory.for_engine(cache_dir() / "schedule", target_dir, draft_dir, config)
         print(
             f"schedule memory {memory.path}: {'restored' if memory.load(schedule) else 'none that fits, starting from nothing'}"
         )
@@ -83,7 +83,7 @@ def main() -> None:
                 parser.error(f"--variant {variant}: AdaptiveSchedule has no attribute {key!r}")
         settings[name] = (engine, params())
     if args.target_alone:
-        settings["target alone"] = (LLMEngine(pair.target_dir, config), params())
+        settings["target alone"] = (LLMEngine(target_dir, config), params())
 
     plans: collections.Counter = collections.Counter()  # (requests in the batch, drafting, candidates) of the default's plans
     plan = adaptive.AdaptiveSchedule.plan

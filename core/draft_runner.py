@@ -91,7 +91,7 @@ class DraftRunner(PagedModel):
     def padding(self, num_rows: int) -> SequenceSlice | None:
         """The padding sequence that brings a call of `num_rows` rows to a multiple of `row_bucket`
         (None where it is one already): context rows at positions 0.. of the scratch blocks."""
-        pad = -num_rows % self.row_bucket
+        pad = self.padded_rows(num_rows) - num_rows
         return SequenceSlice(0, pad, self.scratch_blocks) if pad else None
 
     @functools.cached_property
