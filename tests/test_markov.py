@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import openvino as ov
+import openvino.opset13 as opset
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -33,6 +34,7 @@ from transformers import AutoTokenizer
 
 from dflash.core.config import EXACT_OV_CONFIG, SamplingParams
 from dflash.core.engine import EngineConfig, GenerationResult, LLMEngine
+from dflash.core.draft_format import markov_head_part
 from dflash.core.errors import InputError, ModelFormatError
 from dflash.core.markov import (
     MARKOV_HEAD_FILE,
@@ -40,6 +42,7 @@ from dflash.core.markov import (
     MarkovHeadRunner,
     build_lattice,
     build_lattices,
+    edge_tables,
     greedy_lattice_walk,
     load_markov_head,
     top_k_candidates,
@@ -150,6 +153,32 @@ def test_head_parts_equal_the_w1_w2_math(random_pair, head):
     edges = head.edge_scores(prev_candidates, candidates)
     assert edges.shape == (6, 3, 4)
     np.testing.assert_allclose(edges, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_exported_top_k_part_runs_in_numpy_and_a_head_built_otherwise_compiled(random_pair, head):
+    # The export's Top-K part is the plain gather and product: the runner reads W1/W2 from it and scores
+    # edges in numpy (no inference call), equal to the compiled part on the same inputs.
+    model = ov.Core().read_model(random_pair.draft_dir / MARKOV_HEAD_FILE)
+    tables = edge_tables(model)
+    assert tables is not None and head._topk is None
+    np.testing.assert_array_equal(tables[0], random_pair.w1)
+    np.testing.assert_array_equal(tables[1], random_pair.w2)
+    rng = np.random.default_rng(3)
+    prev_candidates, candidates = rng.integers(0, VOCAB, size=(5, 4)), rng.integers(0, VOCAB, size=(5, 4))
+    compiled = ov.Core().compile_model(markov_head_part(model, "topk"), "CPU", F32).create_infer_request()
+    want = compiled.infer({"prev_candidate_ids": prev_candidates, "candidate_ids": candidates})["edge_scores"]
+    np.testing.assert_allclose(head.edge_scores(prev_candidates, candidates), want, rtol=1e-6, atol=1e-6)
+    # A head whose Top-K part holds more than that (here its edges doubled): compiled, as the graph says.
+    result = model.output("edge_scores").get_node()
+    scores = result.input_value(0)
+    doubled = opset.multiply(scores, opset.constant(np.float32(2.0)))
+    scores.get_tensor().set_names(set())
+    doubled.output(0).get_tensor().set_names({"edge_scores"})
+    result.input(0).replace_source_output(doubled.output(0))
+    assert edge_tables(model) is None
+    other = MarkovHeadRunner(model, ov_config=F32)
+    assert other._topk is not None
+    np.testing.assert_allclose(other.edge_scores(prev_candidates, candidates), 2 * want, rtol=1e-6, atol=1e-6)
 
 
 # ---- the walks -----------------------------------------------------------------------------------------
