@@ -237,23 +237,32 @@ _ARGMAX_TOP_K = 16  # up to this K, K argmax passes (above: a stable sort)
 
 def top_k_candidates(logits: np.ndarray, k: int) -> np.ndarray:
     """[rows, V] -> [rows, k] ids of the k highest logits per row, highest first (ties: lower id first,
-    at the k-th place too: the first k of a stable sort).
+    at the k-th place too: the first k of a stable sort)."""
+    return top_k_with_values(np.array(logits), k)[0]
 
-    For a small K, K passes of argmax (each takes the highest left, the lowest id among equals) over a
-    copy whose picked entries drop to -inf: on a DSpark b7 draft's [7, 8192] candidate rows with K 8,
-    0.07 ms against 0.6 ms for numpy's argpartition (a third of a draft step's host work at c=1), which
-    also picked arbitrarily among the entries tied at the k-th place."""
-    # each row needs k entries above -inf and no NaN: a picked entry must rank below every one left
-    fits = k <= _ARGMAX_TOP_K and not np.isnan(logits).any()
-    if fits and (logits > -np.inf).sum(axis=1).min(initial=k) >= k:
-        left = np.array(logits)  # a copy, its dtype kept
-        rows = np.arange(len(left))
-        ids = np.empty((len(left), k), dtype=np.int64)
+
+def top_k_with_values(scratch: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """`top_k_candidates` of `scratch` [rows, V], and their logits [rows, k]; `scratch` is overwritten.
+
+    For a small K, K passes of argmax (each takes the highest left, the lowest id among equals) whose
+    picked entries drop to -inf: on a DSpark b7 draft's [7, 8192] candidate rows with K 8, 0.07 ms
+    against 0.6 ms for numpy's argpartition (which also picked arbitrarily among the entries tied at
+    the k-th place). Where a pick is not a number above -inf (a NaN, which argmax takes first, or a row
+    with fewer than K entries above -inf), the passes are undone and a stable sort decides."""
+    if k <= _ARGMAX_TOP_K:
+        rows = np.arange(len(scratch))
+        ids = np.empty((len(scratch), k), dtype=np.int64)
+        values = np.empty((len(scratch), k), dtype=scratch.dtype)
         for j in range(k):
-            ids[:, j] = best = left.argmax(axis=1)
-            left[rows, best] = -np.inf
-        return ids
-    return np.argsort(-logits, axis=1, kind="stable")[:, :k]
+            ids[:, j] = best = scratch.argmax(axis=1)
+            values[:, j] = scratch[rows, best]
+            scratch[rows, best] = -np.inf
+        if (values > -np.inf).all():
+            return ids, values
+        for j in reversed(range(k)):  # the input back, entry by entry (a pass may have taken an entry twice)
+            scratch[rows, ids[:, j]] = values[:, j]
+    ids = np.argsort(-scratch, axis=1, kind="stable")[:, :k]
+    return ids, np.take_along_axis(scratch, ids, axis=1)
 
 
 def build_lattice(base_logits: np.ndarray, anchor: int, k: int, vocab_ids: np.ndarray | None = None) -> Lattice:
@@ -269,10 +278,9 @@ def build_lattices(base_logits: Sequence[np.ndarray], anchors: Sequence[int], k:
     if not sum(counts):
         empty = np.zeros((0, k), dtype=np.int64)
         return [Lattice(empty, np.zeros((0, k), dtype=np.float32), empty) for _ in counts]
-    logits = np.concatenate([u for u in base_logits if len(u)])
-    columns = top_k_candidates(logits, k)
+    logits = np.concatenate([u for u in base_logits if len(u)])  # a copy: the Top-K passes overwrite it
+    columns, candidate_logits = top_k_with_values(logits, k)
     candidates = columns if vocab_ids is None else vocab_ids[columns].astype(np.int64)
-    candidate_logits = np.take_along_axis(logits, columns, axis=1)
     prev = np.empty_like(candidates)
     prev[1:] = candidates[:-1]  # each row's predecessors: the row before's candidates, ...
     starts = np.cumsum([0, *counts[:-1]])

@@ -46,6 +46,7 @@ from dflash.core.markov import (
     greedy_lattice_walk,
     load_markov_head,
     top_k_candidates,
+    top_k_with_values,
 )
 from dflash.exporters.draft import export_draft
 from dflash.exporters.draft_checkpoint import make_tiny_draft
@@ -268,9 +269,13 @@ def test_top_k_candidates_equal_a_stable_sort_with_ties_and_infinities(k):
     ties[1, :40] = -np.inf  # a row with few entries above -inf
     ties[2, 5] = np.inf
     ties[3, 7] = np.nan  # a stable sort puts it last
+    ties[4, 1:] = -np.inf  # one entry above -inf: the argmax passes take entry 0 twice, then undo
     for logits in (ties, rng.standard_normal((7, 300)).astype(np.float32)):
         expected = np.argsort(-logits, axis=1, kind="stable")[:, :k]
         assert top_k_candidates(logits, k).tolist() == expected.tolist()
+        ids, values = top_k_with_values(np.array(logits), k)
+        assert ids.tolist() == expected.tolist()
+        np.testing.assert_array_equal(values, np.take_along_axis(logits, expected, axis=1))
 
 
 def test_lattices_of_several_requests_are_each_request_s_own():
