@@ -5,7 +5,7 @@ configuration, all on the same prompt token ids and settings (greedy, ignore_eos
 
     target          the target alone (the baseline of the speedup column)
     plain-dflash    the DSpark draft with its Markov head ignored: each candidate row's argmax
-    topk-K          the Top-K candidate scorer and greedy lattice walk (K: the export's, or --top-k)
+    topk-K          the Top-K candidate scorer and greedy lattice walk (K: 8, the exports' own, or --top-k)
     dense           the dense Markov walk (markov_head_top_k 0)
 
 Each round runs every configuration once, one after the other (a warm-up run comes first and is not
@@ -306,9 +306,9 @@ class Row:
 
 def configurations(top_ks: Sequence[int] | None) -> dict[str, dict]:
     configs: dict[str, dict] = {"target": {"draft": False}, "plain-dflash": {"use_markov_head": False}}
-    for k in top_ks or [None]:
-        configs["topk-export" if k is None else f"topk-{k}"] = {"markov_head_top_k": k}
-    configs["dense"] = {"markov_head_top_k": 0}
+    for k in top_ks or [8]:  # the exports' rt_info K
+        configs[f"topk-{k}"] = {"markov_head_top_k": k}
+    configs["dense"] = {"markov_head_top_k": 0}  # the engine's default
     return configs
 
 
@@ -409,7 +409,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--target", type=Path, help="an exported target (with --draft): measure this pair instead")
     parser.add_argument("--draft", type=Path, help="an exported DSpark draft with a Markov head")
     parser.add_argument("--prompts-file", type=Path, help="prompts for --target/--draft (.txt or .jsonl)")
-    parser.add_argument("--top-k", type=int, nargs="+", help="Top-K values to measure (default: the export's K)")
+    parser.add_argument("--top-k", type=int, nargs="+", help="Top-K values to measure (default: 8, the exports' K)")
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help=f"where pairs are built (default {DEFAULT_CACHE})")
     parser.add_argument("--num-prompts", type=int, default=16, help="HumanEval prompts measured (smollm2-bigram)")
     parser.add_argument("--num-train-prompts", type=int, default=48, help="HumanEval prompts the bigrams are counted on")

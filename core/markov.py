@@ -7,8 +7,9 @@ request's newest committed token) and x_k = argmax(U_k + bias(x_{k-1})).
 
 Two ways to compute that walk (docs/draft-format.md has the head's I/O):
 
-- dense walk (`top_k == 0`): per position, the full [V] bias of the token before. Exact, and one head
-  call per position, batched over every request that drafts that position.
+- dense walk (`top_k == 0`, the default): per position, the full [V] bias of the token before (over
+  the draft vocabulary's columns where the draft has one). Exact, and one head call per position,
+  batched over every request that drafts that position.
 - Top-K lattice (`top_k > 0`): each row keeps the K tokens with the highest base logits; one head
   call scores every edge between a row's candidates and the candidates of the row before (the anchor
   for the first row), for all packed block rows of all requests at once; then a greedy walk in numpy
@@ -38,6 +39,7 @@ import openvino as ov
 from dflash.core.draft_format import (
     DENSE_INPUTS,
     MARKOV_HEAD_FILE,
+    DENSE_OUTPUT,
     TOPK_INPUTS,
     TOPK_OUTPUT,
     markov_head_part,
@@ -66,7 +68,8 @@ class _HeadPart:
 
 
 class MarkovHeadRunner:
-    """The compiled dense and Top-K parts of a vanilla Markov head, and the candidate walks on them.
+    """The dense and Top-K parts of a vanilla Markov head (in numpy on its W1/W2, or compiled: `head_tables`),
+    and the candidate walks on them.
 
     `seconds` adds up the time spent in head inferences (the engine counts it in the draft's time,
     since `select_candidates` runs inside the draft step).
@@ -80,40 +83,54 @@ class MarkovHeadRunner:
                 f"the Markov head is of type {head_type!r}; only the vanilla head is supported",
                 "use a DSpark draft trained with markov_head_type 'vanilla'",
             )
-        config = _head_config(device, ov_config)
-        core = ov.Core()
-        self._dense = _HeadPart(core.compile_model(markov_head_part(model, "dense"), device, config))
-        # The Top-K part in numpy where it is the plain W1/W2 gather and product (`edge_tables`): [R, K, K]
-        # edges of a few dozen rank-r dot products cost less than an inference call's overhead (at c=1
-        # on a 2-core AVX2 CPU, 0.02 ms against 0.17-0.32 ms, a step's third call gone). Else compiled.
-        self._edge_tables = edge_tables(model)
-        self._topk = None
-        if self._edge_tables is None:
+        # Both parts in numpy where they are the plain products of the head's W1/W2 (`head_tables`): a
+        # position's bias over a draft vocabulary, or a lattice's [R, K, K] edges, are a few hundred rank-r
+        # dot products, which cost less than an inference call's overhead (at c=1 on a 2-core AVX2 CPU,
+        # 0.02 ms against 0.17-0.32 ms for the edges). A head built otherwise is compiled.
+        self._tables = head_tables(model)
+        self._dense = self._topk = None
+        if self._tables is None:
+            config = _head_config(device, ov_config)
+            core = ov.Core()
+            self._dense = _HeadPart(core.compile_model(markov_head_part(model, "dense"), device, config))
             self._topk = _HeadPart(core.compile_model(markov_head_part(model, "topk"), device, config))
+        self._w2_columns: tuple[np.ndarray | None, np.ndarray | None] = (None, None)  # (vocab_ids, W2[vocab_ids])
         self.vocab_size = _shape_or_rt_info(model, "markov_bias", -1, "vocab_size")
         self.rank = int(read_rt_info(model, "markov_head", "rank") or 0)
-        default_k = read_rt_info(model, "markov_head", "top_k")
-        self.default_top_k = int(default_k) if default_k is not None else min(8, self.vocab_size)
         self.seconds = 0.0
         self.num_calls = 0
 
     # ---- the two parts ----------------------------------------------------------------------------
 
-    def markov_bias(self, prev_token_ids: np.ndarray) -> np.ndarray:
-        """Dense part: [N] previous tokens -> [N, V] f32 bias W2 · W1[prev]."""
-        return self._infer(self._dense, {DENSE_INPUTS[0]: np.asarray(prev_token_ids).reshape(-1)})
+    def markov_bias(self, prev_token_ids: np.ndarray, vocab_ids: np.ndarray | None = None) -> np.ndarray:
+        """Dense part: [N] previous tokens -> [N, V] f32 bias W2 · W1[prev]; with `vocab_ids`, only
+        those columns ([N, len(vocab_ids)]: a draft vocabulary's)."""
+        prev = np.asarray(prev_token_ids).reshape(-1)
+        if self._tables is None:
+            bias = self._infer(self._dense, {DENSE_INPUTS[0]: prev})
+            return bias if vocab_ids is None else bias[:, vocab_ids]
+        start = time.perf_counter()
+        w1, w2 = self._tables
+        if vocab_ids is not None:
+            if self._w2_columns[0] is not vocab_ids:  # the draft's vocabulary: the same array every step
+                self._w2_columns = (vocab_ids, np.ascontiguousarray(w2[vocab_ids]))
+            w2 = self._w2_columns[1]
+        bias = w1[prev] @ w2.T
+        self.seconds += time.perf_counter() - start
+        self.num_calls += 1
+        return bias
 
     def edge_scores(self, prev_candidate_ids: np.ndarray, candidate_ids: np.ndarray) -> np.ndarray:
         """Top-K part: [R, Kp] and [R, K] token ids -> [R, Kp, K] f32 edge scores <W1[prev], W2[cand]>."""
-        if self._edge_tables is not None:
-            start = time.perf_counter()
-            w1, w2 = self._edge_tables
-            edges = np.matmul(w1[prev_candidate_ids], w2[candidate_ids].transpose(0, 2, 1))
-            self.seconds += time.perf_counter() - start
-            self.num_calls += 1
-            return edges
-        prev_name, cand_name = TOPK_INPUTS
-        return self._infer(self._topk, {prev_name: np.asarray(prev_candidate_ids), cand_name: np.asarray(candidate_ids)})
+        if self._tables is None:
+            prev_name, cand_name = TOPK_INPUTS
+            return self._infer(self._topk, {prev_name: np.asarray(prev_candidate_ids), cand_name: np.asarray(candidate_ids)})
+        start = time.perf_counter()
+        w1, w2 = self._tables
+        edges = np.matmul(w1[prev_candidate_ids], w2[candidate_ids].transpose(0, 2, 1))
+        self.seconds += time.perf_counter() - start
+        self.num_calls += 1
+        return edges
 
     def _infer(self, part: _HeadPart, inputs: dict[str, np.ndarray]) -> np.ndarray:
         start = time.perf_counter()
@@ -129,9 +146,14 @@ class MarkovHeadRunner:
     # ---- candidate selection --------------------------------------------------------------------------
 
     def resolve_top_k(self, top_k: int | None) -> int:
-        """The K to use: None -> the export's default; 0 -> 0 (dense walk); else min(top_k, V)."""
+        """The K to use: None or 0 -> 0 (the dense walk, exact); else min(top_k, V) (the Top-K lattice).
+
+        The dense walk is the default: with the default DSpark draft on the first 40 HumanEval prompts
+        (c=8, 7 candidates), it accepted tau 3.94 where the lattice of the export's K (8) accepted 3.34,
+        K 16 3.56 and K 32 3.70: the head's bias often raises a token outside the backbone's best K. Over
+        a draft vocabulary it costs about what the lattice does (docs/benchmarks.md)."""
         if top_k is None:
-            return self.default_top_k
+            return 0
         if top_k < 0:
             raise InputError(f"markov_head_top_k must be >= 0, got {top_k}", "0 selects the dense Markov walk")
         return min(top_k, self.vocab_size)
@@ -178,16 +200,15 @@ class MarkovHeadRunner:
         for position in range(max((len(u) for u in base), default=0)):
             active = [i for i, u in enumerate(base) if len(u) > position]
             prev = [drafted[i][-1] if position else anchors[i] for i in active]
-            bias = self.markov_bias(np.asarray(prev, dtype=np.int64))  # one call for every request here
-            if vocab_ids is not None:
-                bias = bias[:, vocab_ids]
+            bias = self.markov_bias(np.asarray(prev, dtype=np.int64), vocab_ids)  # one call for every request here
+            logits = np.stack([base[i][position] for i in active]) + bias
+            picks = logits.argmax(axis=1)
             for row, i in enumerate(active):
-                logits = base[i][position] + bias[row]
                 if sampling[i] is None:
-                    index = int(np.argmax(logits))
+                    index = int(picks[row])
                 else:
                     params, key, first = sampling[i]
-                    q = filtered_probs(logits, params)
+                    q = filtered_probs(logits[row], params)
                     probs[i].append(q if vocab_ids is None else (vocab_ids, q))
                     index = draw(uniform(key, first + position, DRAFT_STREAM), q)
                 drafted[i].append(index if vocab_ids is None else int(vocab_ids[index]))
@@ -382,30 +403,49 @@ def load_markov_head(
     return head
 
 
-def edge_tables(head: ov.Model) -> tuple[np.ndarray, np.ndarray] | None:
-    """W1 and W2 ([V, r] f32) of a head whose Top-K part is MatMul(Gather(W1, prev), Gather(W2, cand),
-    transpose_b) over constant tables (f32, or f16/bf16 widened), as `dflash export` writes it; None for a
-    head built otherwise (the engine then compiles that part)."""
-    matmul = head.output(TOPK_OUTPUT).get_node().input_value(0).get_node()
-    if matmul.get_type_name() != "MatMul" or matmul.get_attributes() != {"transpose_a": False, "transpose_b": True}:
+def head_tables(head: ov.Model) -> tuple[np.ndarray, np.ndarray] | None:
+    """W1 and W2 ([V, r] f32) of a head whose parts are the plain products over them, as `dflash export`
+    writes it: markov_bias = MatMul(Gather(W1, prev_token_ids), W2, transpose_b) and edge_scores =
+    MatMul(Gather(W1, prev_candidate_ids), Gather(W2, candidate_ids), transpose_b), over constant tables
+    (f32, or f16/bf16 widened). None for a head built otherwise: the engine then compiles its parts."""
+    bias, edges = _product_inputs(head, DENSE_OUTPUT), _product_inputs(head, TOPK_OUTPUT)
+    if bias is None or edges is None:
         return None
-    tables = []
-    for value, name in zip(matmul.inputs(), TOPK_INPUTS):
-        gather = value.get_source_output().get_node()
-        if gather.get_type_name() != "Gather" or gather.get_attributes().get("batch_dims", 0) != 0:
-            return None
-        table, indices, axis = (gather.input_value(i).get_node() for i in range(3))
-        while indices.get_type_name() == "Convert":
-            indices = indices.input_value(0).get_node()
-        if table.get_type_name() == "Convert":
-            table = table.input_value(0).get_node()
-        is_input = indices.get_type_name() == "Parameter" and indices.output(0).get_any_name() == name
-        if not is_input or table.get_type_name() != "Constant" or axis.get_type_name() != "Constant":
-            return None
-        if int(np.asarray(axis.get_data()).reshape(-1)[0]) != 0 or len(table.get_output_shape(0)) != 2:
-            return None
-        tables.append(np.ascontiguousarray(table.get_data(), dtype=np.float32))
-    return tables[0], tables[1]
+    w1, w2 = _gathered_table(bias[0], DENSE_INPUTS[0]), _constant_table(bias[1])
+    e1, e2 = _gathered_table(edges[0], TOPK_INPUTS[0]), _gathered_table(edges[1], TOPK_INPUTS[1])
+    if any(t is None for t in (w1, w2, e1, e2)) or not (np.array_equal(w1, e1) and np.array_equal(w2, e2)):
+        return None
+    return w1, w2
+
+
+def _product_inputs(head: ov.Model, output: str) -> list | None:
+    """The two input nodes of the MatMul(transpose_b) that makes `output`, or None."""
+    node = head.output(output).get_node().input_value(0).get_node()
+    if node.get_type_name() != "MatMul" or node.get_attributes() != {"transpose_a": False, "transpose_b": True}:
+        return None
+    return [node.input_value(i).get_node() for i in range(2)]
+
+
+def _constant_table(node) -> np.ndarray | None:
+    if node.get_type_name() == "Convert":
+        node = node.input_value(0).get_node()
+    if node.get_type_name() != "Constant" or len(node.get_output_shape(0)) != 2:
+        return None
+    return np.ascontiguousarray(node.get_data(), dtype=np.float32)
+
+
+def _gathered_table(node, input_name: str) -> np.ndarray | None:
+    """The table of Gather(table, the input `input_name`, axis 0), or None."""
+    if node.get_type_name() != "Gather" or node.get_attributes().get("batch_dims", 0) != 0:
+        return None
+    table, indices, axis = (node.input_value(i).get_node() for i in range(3))
+    while indices.get_type_name() == "Convert":
+        indices = indices.input_value(0).get_node()
+    if indices.get_type_name() != "Parameter" or indices.output(0).get_any_name() != input_name:
+        return None
+    if axis.get_type_name() != "Constant" or int(np.asarray(axis.get_data()).reshape(-1)[0]) != 0:
+        return None
+    return _constant_table(table)
 
 
 def _read_head(path: Path) -> ov.Model:

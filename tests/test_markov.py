@@ -42,7 +42,7 @@ from dflash.core.markov import (
     MarkovHeadRunner,
     build_lattice,
     build_lattices,
-    edge_tables,
+    head_tables,
     greedy_lattice_walk,
     load_markov_head,
     top_k_candidates,
@@ -140,7 +140,7 @@ def head(random_pair) -> MarkovHeadRunner:
 
 def test_head_parts_equal_the_w1_w2_math(random_pair, head):
     w1, w2 = torch.from_numpy(random_pair.w1), torch.from_numpy(random_pair.w2)
-    assert (head.vocab_size, head.rank, head.default_top_k) == (VOCAB, RANK, 8)
+    assert (head.vocab_size, head.rank) == (VOCAB, RANK)
     prev = np.array([0, 7, 511, 7, 300], dtype=np.int64)
     expected = (w1[torch.from_numpy(prev)] @ w2.T).numpy()
     np.testing.assert_allclose(head.markov_bias(prev), expected, rtol=1e-5, atol=1e-5)
@@ -156,19 +156,26 @@ def test_head_parts_equal_the_w1_w2_math(random_pair, head):
     np.testing.assert_allclose(edges, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_the_exported_top_k_part_runs_in_numpy_and_a_head_built_otherwise_compiled(random_pair, head):
-    # The export's Top-K part is the plain gather and product: the runner reads W1/W2 from it and scores
-    # edges in numpy (no inference call), equal to the compiled part on the same inputs.
+def test_the_exported_head_runs_in_numpy_and_a_head_built_otherwise_compiled(random_pair, head):
+    # The export's parts are the plain gathers and products: the runner reads W1/W2 from them and
+    # computes both in numpy (no inference call), equal to the compiled parts on the same inputs.
     model = ov.Core().read_model(random_pair.draft_dir / MARKOV_HEAD_FILE)
-    tables = edge_tables(model)
-    assert tables is not None and head._topk is None
+    tables = head_tables(model)
+    assert tables is not None and head._dense is None and head._topk is None
     np.testing.assert_array_equal(tables[0], random_pair.w1)
     np.testing.assert_array_equal(tables[1], random_pair.w2)
     rng = np.random.default_rng(3)
+    prev = np.array([0, 7, 511], dtype=np.int64)
     prev_candidates, candidates = rng.integers(0, VOCAB, size=(5, 4)), rng.integers(0, VOCAB, size=(5, 4))
-    compiled = ov.Core().compile_model(markov_head_part(model, "topk"), "CPU", F32).create_infer_request()
-    want = compiled.infer({"prev_candidate_ids": prev_candidates, "candidate_ids": candidates})["edge_scores"]
-    np.testing.assert_allclose(head.edge_scores(prev_candidates, candidates), want, rtol=1e-6, atol=1e-6)
+    core = ov.Core()
+    dense = core.compile_model(markov_head_part(model, "dense"), "CPU", F32).create_infer_request()
+    topk = core.compile_model(markov_head_part(model, "topk"), "CPU", F32).create_infer_request()
+    want_bias = dense.infer({"prev_token_ids": prev})["markov_bias"]
+    want_edges = topk.infer({"prev_candidate_ids": prev_candidates, "candidate_ids": candidates})["edge_scores"]
+    np.testing.assert_allclose(head.markov_bias(prev), want_bias, rtol=1e-6, atol=1e-6)
+    columns = np.array([3, 500, 17])  # a draft vocabulary: those columns only
+    np.testing.assert_allclose(head.markov_bias(prev, columns), want_bias[:, columns], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(head.edge_scores(prev_candidates, candidates), want_edges, rtol=1e-6, atol=1e-6)
     # A head whose Top-K part holds more than that (here its edges doubled): compiled, as the graph says.
     result = model.output("edge_scores").get_node()
     scores = result.input_value(0)
@@ -176,10 +183,11 @@ def test_the_exported_top_k_part_runs_in_numpy_and_a_head_built_otherwise_compil
     scores.get_tensor().set_names(set())
     doubled.output(0).get_tensor().set_names({"edge_scores"})
     result.input(0).replace_source_output(doubled.output(0))
-    assert edge_tables(model) is None
+    assert head_tables(model) is None
     other = MarkovHeadRunner(model, ov_config=F32)
-    assert other._topk is not None
-    np.testing.assert_allclose(other.edge_scores(prev_candidates, candidates), 2 * want, rtol=1e-6, atol=1e-6)
+    assert other._dense is not None and other._topk is not None
+    np.testing.assert_allclose(other.edge_scores(prev_candidates, candidates), 2 * want_edges, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(other.markov_bias(prev, columns), want_bias[:, columns], rtol=1e-6, atol=1e-6)
 
 
 # ---- the walks -----------------------------------------------------------------------------------------
@@ -306,7 +314,7 @@ def test_a_position_whose_previous_token_has_no_edge_ends_the_block():
 
 
 def test_top_k_option_resolution(head):
-    assert head.resolve_top_k(None) == 8  # the export's rt_info markov_head/top_k
+    assert head.resolve_top_k(None) == 0  # the dense walk: exact, and the default
     assert head.resolve_top_k(0) == 0
     assert head.resolve_top_k(3) == 3
     assert head.resolve_top_k(100_000) == VOCAB
@@ -390,7 +398,7 @@ def run(
     return results
 
 
-MODES = {"topk-default": None, "topk-64": 64, "dense": 0}
+MODES = {"topk-8": 8, "topk-64": 64, "dense (the default)": None}
 
 
 @pytest.fixture(scope="module", params=list(MODES))
@@ -430,7 +438,7 @@ def test_staggered_arrivals_and_prefix_hits_keep_the_targets_tokens(random_pair,
             assert first.token_ids == want
 
 
-@pytest.mark.parametrize("top_k", [None, 0])
+@pytest.mark.parametrize("top_k", [8, None])
 def test_preemption_keeps_the_targets_tokens(random_pair, top_k):
     engine = make_engine(random_pair, num_kv_blocks=3, markov_head_top_k=top_k)  # 96 positions
     preempted = []
@@ -545,8 +553,8 @@ def test_the_markov_bias_decides_what_is_drafted(decided_pair):
         assert tokens == [CYCLE[i % len(CYCLE)] for i in range(NEW_TOKENS)]
     acceptance = {}
     for name, overrides in {
-        "topk": {},
-        "dense": {"markov_head_top_k": 0},
+        "topk": {"markov_head_top_k": 8},
+        "dense": {},
         "plain-dflash": {"use_markov_head": False},
     }.items():
         engine = make_engine(decided_pair, **overrides)

@@ -15,8 +15,7 @@ Drafts (tiny, f32):
 * dspark_markov: a DSpark draft whose layers write nothing, with a Markov head that points each token
   at its successor: the anchor row predicts the target's successor, and with the dense walk
   ("dspark_dense") the later rows mix A (from the mask row) with the successor of the token drawn
-  before (the Markov bias), so q depends on the walk. With the Top-K lattice ("dspark_lattice", the
-  export's K) a row's candidates are its K best base logits, which rarely hold the successor: its q is
+  before (the Markov bias), so q depends on the walk. With the Top-K lattice ("dspark_lattice", K 8) a row's candidates are its K best base logits, which rarely hold the successor: its q is
   nearly a point mass on A.
 
 Every run batches thousands of seeded requests (the first NEW_TOKENS tokens of each) for each
@@ -156,10 +155,10 @@ def pair(tmp_path_factory) -> Pair:
 
 DRAFTS = {  # engine draft name -> (exported draft, engine config)
     "dflash_zero": ("dflash_zero", {}),
-    "dspark_dense": ("dspark_markov", {"markov_head_top_k": 0}),
-    "dspark_lattice": ("dspark_markov", {}),
+    "dspark_dense": ("dspark_markov", {}),  # the default walk
+    "dspark_lattice": ("dspark_markov", {"markov_head_top_k": 8}),
     "dspark_cut_vocab": ("dspark_cut", {"markov_head_top_k": 0}),  # proposes even token ids only
-    "dspark_cut_lattice": ("dspark_cut", {}),
+    "dspark_cut_lattice": ("dspark_cut", {"markov_head_top_k": 8}),
 }
 
 
