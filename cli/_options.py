@@ -97,7 +97,7 @@ SCHEDULE_HELP = (
     "(none if nothing pays); constant: always --num-assistant-tokens; heuristic: +2 candidates after a step "
     "that accepted them all, -1 otherwise."
 )
-MarkovTopKHelp = "DSpark drafts: K > 0 walks a Top-K lattice (each row's K best tokens, scored by the Markov head); default and 0: the dense Markov walk (exact, accepts more)."
+MarkovTopKHelp = "DSpark drafts: 0 the dense Markov walk (exact; what dflash export asks for), K > 0 a Top-K lattice of each row's K best tokens (accepts less); default: the export's choice."
 ChatOpt = Annotated[
     Optional[bool],
     typer.Option("--chat/--no-chat", help="Apply the tokenizer's chat template (default: when it has one).", show_default=False),

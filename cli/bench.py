@@ -85,7 +85,7 @@ def bench(
     num_assistant_tokens_schedule: Annotated[
         str, typer.Option("--num-assistant-tokens-schedule", help="Comma-separated. " + SCHEDULE_HELP)
     ] = "adaptive",
-    markov_top_k: Annotated[str, typer.Option("--markov-top-k", help=MarkovTopKHelp[:-1] + "; comma-separated, auto: the default.")] = "auto",
+    markov_top_k: Annotated[str, typer.Option("--markov-top-k", help=MarkovTopKHelp[:-1] + "; comma-separated, auto: the export's.")] = "auto",
     rounds: Annotated[int, typer.Option("--rounds", min=1, help="Runs of every setting, wave by wave in turn with its baseline; the speedup is the median of the per-round ratios, with their range.")] = 1,
     warmup: Annotated[int, typer.Option("--warmup", min=0, help="Warm-up requests per engine, excluded from the figures.")] = 2,
     no_baseline: Annotated[bool, typer.Option("--no-baseline", help="Skip the target-alone runs (no speedup, no lossless check).")] = False,

@@ -197,9 +197,9 @@ class EngineConfig:
         one per verified row while its candidates are verified. Default: max_num_seqs x (2 + the
         draft's candidates per block), or max_num_seqs without a draft, but at most what fits in as
         much memory as the KV cache (never fewer than one request needs to verify a whole block).
-    markov_head_top_k: for DSpark drafts with a Markov head, K > 0 walks the Top-K lattice (each row's
-        K best tokens; core/markov.py); None (the default) or 0 the dense Markov walk, which is exact and
-        accepts more. use_markov_head=False runs the draft as plain DFlash.
+    markov_head_top_k: for DSpark drafts with a Markov head, 0 walks the dense Markov bias (exact; what
+        `dflash export` asks for), K > 0 the Top-K lattice of each row's K best tokens (core/markov.py);
+        None: the export's choice (rt_info). use_markov_head=False runs the draft as plain DFlash.
     draft_proposals: how the draft proposes for sampling requests (temperature > 0): "argmax" its
         deterministic candidates (each row's argmax, or the Markov walk), "sampled" candidates drawn from
         its distributions after the request's temperature/top-k/top-p. Both are verified by speculative

@@ -7,7 +7,7 @@ request's newest committed token) and x_k = argmax(U_k + bias(x_{k-1})).
 
 Two ways to compute that walk (docs/draft-format.md has the head's I/O):
 
-- dense walk (`top_k == 0`, the default): per position, the full [V] bias of the token before (over
+- dense walk (`top_k == 0`, what `dflash export` writes as the default): per position, the full [V] bias of the token before (over
   the draft vocabulary's columns where the draft has one). Exact, and one head call per position,
   batched over every request that drafts that position.
 - Top-K lattice (`top_k > 0`): each row keeps the K tokens with the highest base logits; one head
@@ -97,6 +97,8 @@ class MarkovHeadRunner:
         self._w2_columns: tuple[np.ndarray | None, np.ndarray | None] = (None, None)  # (vocab_ids, W2[vocab_ids])
         self.vocab_size = _shape_or_rt_info(model, "markov_bias", -1, "vocab_size")
         self.rank = int(read_rt_info(model, "markov_head", "rank") or 0)
+        default_k = read_rt_info(model, "markov_head", "top_k")  # the export's walk: 0 dense, K > 0 a lattice
+        self.default_top_k = min(int(default_k), self.vocab_size) if default_k is not None else 0
         self.seconds = 0.0
         self.num_calls = 0
 
@@ -146,14 +148,15 @@ class MarkovHeadRunner:
     # ---- candidate selection --------------------------------------------------------------------------
 
     def resolve_top_k(self, top_k: int | None) -> int:
-        """The K to use: None or 0 -> 0 (the dense walk, exact); else min(top_k, V) (the Top-K lattice).
+        """The K to use: None -> the export's (rt_info markov_head/top_k); 0 -> 0 (the dense walk, exact);
+        else min(top_k, V) (the Top-K lattice).
 
-        The dense walk is the default: with the default DSpark draft on the first 40 HumanEval prompts
-        (c=8, 7 candidates), it accepted tau 3.94 where the lattice of the export's K (8) accepted 3.34,
-        K 16 3.56 and K 32 3.70: the head's bias often raises a token outside the backbone's best K. Over
-        a draft vocabulary it costs about what the lattice does (docs/benchmarks.md)."""
+        `dflash export` writes 0: with the default DSpark draft on the first 40 HumanEval prompts (c=8,
+        7 candidates) the dense walk accepted tau 3.94 where the lattice of K 8 (the K exports wrote
+        before) accepted 3.34, K 16 3.56 and K 32 3.70: the head's bias often raises a token outside the
+        backbone's best K. Over a draft vocabulary it costs about what the lattice does."""
         if top_k is None:
-            return 0
+            return self.default_top_k
         if top_k < 0:
             raise InputError(f"markov_head_top_k must be >= 0, got {top_k}", "0 selects the dense Markov walk")
         return min(top_k, self.vocab_size)

@@ -33,7 +33,7 @@ _STAMP = "dflash_export_done.json"
 _VERSION = 1  # bump when the target's export recipe changes, so stale caches are rebuilt
 # The draft's export recipe (2: only block rows carry a residual stream); a changed checkpoint gets a
 # folder of its own (a fingerprint of its files is in the folder name).
-_DRAFT_VERSION = 2
+_DRAFT_VERSION = 3  # 3: the Markov head's rt_info asks for the dense walk
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,10 @@ from dflash.core.draft_format import (  # noqa: F401 - re-exported: the head's c
 )
 from dflash.exporters.tracing import name_ports, trace_and_convert
 
-DEFAULT_TOP_K = 8
+# The walk an export asks for (rt_info markov_head/top_k): 0, the dense walk, which is exact; K > 0 a Top-K
+# lattice over each row's K best tokens, which accepted 15% less with K 8 (the default DSpark draft on HumanEval,
+# docs/benchmarks.md, twenty-first session).
+DEFAULT_TOP_K = 0
 
 
 class MarkovHead(nn.Module):

@@ -589,7 +589,7 @@ def test_markov_head_ir_equals_w1_w2_math(drafts, exported, core):
     assert rt(model, "markov_head", "type") == "vanilla"
     assert rt(model, "markov_head", "rank") == "8"
     assert rt(model, "markov_head", "vocab_size") == "512"
-    assert rt(model, "markov_head", "top_k") == "8"
+    assert rt(model, "markov_head", "top_k") == "0"  # the dense walk
     assert [p.get_any_name() for p in model.inputs] == ["prev_token_ids", "prev_candidate_ids", "candidate_ids"]
     assert [p.get_any_name() for p in model.outputs] == ["markov_bias", "edge_scores"]
     float_constants = [
@@ -618,7 +618,7 @@ def test_markov_head_ir_equals_w1_w2_math(drafts, exported, core):
 
 def test_markov_head_top_k_is_capped_by_vocab(core):
     head = MarkovHead(torch.randn(6, 4), torch.randn(6, 4))
-    model = convert_markov_head(head)
+    model = convert_markov_head(head, top_k=8)
     assert rt(model, "markov_head", "top_k") == "6"
     assert rt(model, "markov_head", "vocab_size") == "6" and rt(model, "markov_head", "rank") == "4"
 

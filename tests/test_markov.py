@@ -50,6 +50,7 @@ from dflash.core.markov import (
 )
 from dflash.exporters.draft import export_draft
 from dflash.exporters.draft_checkpoint import make_tiny_draft
+from dflash.exporters.markov_head import MarkovHead, convert_markov_head
 from dflash.exporters.target import export_target
 from dflash.exporters.tiny import _CORPUS, make_tiny_target
 
@@ -140,7 +141,7 @@ def head(random_pair) -> MarkovHeadRunner:
 
 def test_head_parts_equal_the_w1_w2_math(random_pair, head):
     w1, w2 = torch.from_numpy(random_pair.w1), torch.from_numpy(random_pair.w2)
-    assert (head.vocab_size, head.rank) == (VOCAB, RANK)
+    assert (head.vocab_size, head.rank, head.default_top_k) == (VOCAB, RANK, 0)  # the export asks for the dense walk
     prev = np.array([0, 7, 511, 7, 300], dtype=np.int64)
     expected = (w1[torch.from_numpy(prev)] @ w2.T).numpy()
     np.testing.assert_allclose(head.markov_bias(prev), expected, rtol=1e-5, atol=1e-5)
@@ -314,12 +315,15 @@ def test_a_position_whose_previous_token_has_no_edge_ends_the_block():
 
 
 def test_top_k_option_resolution(head):
-    assert head.resolve_top_k(None) == 0  # the dense walk: exact, and the default
+    assert head.resolve_top_k(None) == 0  # the export's rt_info markov_head/top_k: the dense walk
     assert head.resolve_top_k(0) == 0
     assert head.resolve_top_k(3) == 3
     assert head.resolve_top_k(100_000) == VOCAB
     with pytest.raises(InputError):
         head.resolve_top_k(-1)
+    # An export that asks for a lattice (rt_info K 8) gets it unless told otherwise.
+    lattice_head = MarkovHeadRunner(convert_markov_head(MarkovHead(torch.randn(VOCAB, 4), torch.randn(VOCAB, 4)), top_k=8))
+    assert (lattice_head.resolve_top_k(None), lattice_head.resolve_top_k(0)) == (8, 0)
 
 
 # ---- loading and refusals ------------------------------------------------------------------------------
