@@ -71,8 +71,8 @@ class MarkovHeadRunner:
     """The dense and Top-K parts of a vanilla Markov head (in numpy on its W1/W2, or compiled: `head_tables`),
     and the candidate walks on them.
 
-    `seconds` adds up the time spent in head inferences (the engine counts it in the draft's time,
-    since `select_candidates` runs inside the draft step).
+    `seconds` adds up the time spent in the two parts, in numpy or inference (the engine counts it in the
+    draft's time, since `select_candidates` runs inside the draft step).
     """
 
     def __init__(self, head: ov.Model | str | Path, *, device: str = "CPU", ov_config: dict[str, str] | None = None):

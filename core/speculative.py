@@ -132,7 +132,7 @@ class DFlashDrafter:
 
     @property
     def infer_seconds(self) -> float:
-        """Seconds inside the draft's infer() calls (the Markov head's count as host work)."""
+        """Seconds inside the draft's infer() calls (the Markov head's walk counts as host work)."""
         return self.runner.infer_seconds
 
     @property
