@@ -7,9 +7,9 @@ request's newest committed token) and x_k = argmax(U_k + bias(x_{k-1})).
 
 Two ways to compute that walk (docs/draft-format.md has the head's I/O):
 
-- dense walk (`top_k == 0`, what `dflash export` writes as the default): per position, the full [V] bias of the token before (over
-  the draft vocabulary's columns where the draft has one). Exact, and one head call per position,
-  batched over every request that drafts that position.
+- dense walk (`top_k == 0`, what `dflash export` asks for): per position, the full [V] bias of the
+  token before (over the draft vocabulary's columns where the draft has one). Exact, and one head call
+  per position, batched over every request that drafts that position.
 - Top-K lattice (`top_k > 0`): each row keeps the K tokens with the highest base logits; one head
   call scores every edge between a row's candidates and the candidates of the row before (the anchor
   for the first row), for all packed block rows of all requests at once; then a greedy walk in numpy
@@ -38,8 +38,8 @@ import openvino as ov
 
 from dflash.core.draft_format import (
     DENSE_INPUTS,
-    MARKOV_HEAD_FILE,
     DENSE_OUTPUT,
+    MARKOV_HEAD_FILE,
     TOPK_INPUTS,
     TOPK_OUTPUT,
     markov_head_part,

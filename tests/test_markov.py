@@ -33,8 +33,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
 from dflash.core.config import EXACT_OV_CONFIG, SamplingParams
-from dflash.core.engine import EngineConfig, GenerationResult, LLMEngine
 from dflash.core.draft_format import markov_head_part
+from dflash.core.engine import EngineConfig, GenerationResult, LLMEngine
 from dflash.core.errors import InputError, ModelFormatError
 from dflash.core.markov import (
     MARKOV_HEAD_FILE,
@@ -42,8 +42,8 @@ from dflash.core.markov import (
     MarkovHeadRunner,
     build_lattice,
     build_lattices,
-    head_tables,
     greedy_lattice_walk,
+    head_tables,
     load_markov_head,
     top_k_candidates,
     top_k_with_values,
