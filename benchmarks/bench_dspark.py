@@ -308,7 +308,7 @@ def configurations(top_ks: Sequence[int] | None) -> dict[str, dict]:
     configs: dict[str, dict] = {"target": {"draft": False}, "plain-dflash": {"use_markov_head": False}}
     for k in top_ks or [8]:  # the exports' rt_info K
         configs[f"topk-{k}"] = {"markov_head_top_k": k}
-    configs["dense"] = {"markov_head_top_k": 0}  # what exports ask for since _DRAFT_VERSION 3
+    configs["dense"] = {"markov_head_top_k": 0}  # what `dflash export` asks for (rt_info top_k 0)
     return configs
 
 
