@@ -529,9 +529,8 @@ class AdaptiveSchedule:
         measured only `_MIN_MEASURED` times. On a 2-core VM whose speed moves up to 30% between minutes, a
         mean kept from a fast minute (or a schedule memory) priced 57-row steps at c=8 cheap, which then took
         63-76 ms where the constant 3's 32 rows took 33; weighing each new step a tenth, it needs about ten
-        of them to catch up. A
-        stale mean still prices its row count until measured again (it is not dropped for the line: on an
-        AVX2 CPU at c=1, where a step of 1-4 rows costs 23-29 ms and 5-8 rows 38-72, the line through them
+        of them to catch up. A stale mean still prices its row count until measured again (it is not
+        dropped for the line: on an AVX2 CPU at c=1, where a step of 1-4 rows costs 23-29 ms and 5-8 rows 38-72, the line through them
         read 0 ms + 9.5 ms a row and priced 4 rows at 38 ms, which then were never chosen again). A mean
         measured on a slow streak that is never chosen again stays as it is: the cautious side."""
         by_rows = self._verify_seconds.get(num_requests, {})

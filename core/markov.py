@@ -118,8 +118,7 @@ class MarkovHeadRunner:
                 self._w2_columns = (vocab_ids, np.ascontiguousarray(w2[vocab_ids]))
             w2 = self._w2_columns[1]
         bias = w1[prev] @ w2.T
-        self.seconds += time.perf_counter() - start
-        self.num_calls += 1
+        self._book(start)
         return bias
 
     def edge_scores(self, prev_candidate_ids: np.ndarray, candidate_ids: np.ndarray) -> np.ndarray:
@@ -130,9 +129,13 @@ class MarkovHeadRunner:
         start = time.perf_counter()
         w1, w2 = self._tables
         edges = np.matmul(w1[prev_candidate_ids], w2[candidate_ids].transpose(0, 2, 1))
+        self._book(start)
+        return edges
+
+    def _book(self, start: float) -> None:
+        """Count one call of a part (numpy or inference) that began at `start`."""
         self.seconds += time.perf_counter() - start
         self.num_calls += 1
-        return edges
 
     def _infer(self, part: _HeadPart, inputs: dict[str, np.ndarray]) -> np.ndarray:
         start = time.perf_counter()
@@ -141,8 +144,7 @@ class MarkovHeadRunner:
         part.request.start_async()  # then wait: infer() would convert every input and copy every output
         part.request.wait()
         out = part.request.get_output_tensor(0).data.copy()
-        self.seconds += time.perf_counter() - start
-        self.num_calls += 1
+        self._book(start)
         return out
 
     # ---- candidate selection --------------------------------------------------------------------------
