@@ -425,6 +425,25 @@ def test_a_paused_request_is_probed_with_waits_that_double():
     assert gaps == sorted(gaps) and gaps[0] >= 8 and gaps[-3:] == [16, 16, 16]  # waits double, up to the cap
 
 
+def test_no_probe_where_even_a_draft_that_accepts_everything_would_not_pay():
+    """A probe only tells what the draft accepts; where a verified row costs what a plain step does, no
+    acceptance would make drafting pay, so a paused request is never probed (a new one, among requests
+    that differ, neither), whatever the probe budget. With the same schedule priced on cheap rows it is."""
+
+    def probes(per_row: float, old: list[float]) -> list[int]:
+        schedule = fitted(target=(0.001, per_row), draft=(0.002, 0.0001), probe_after=4, max_probe_after=16, probe_budget=1.0)
+        for index, acceptance in enumerate(old):  # finished requests: alike (paused) or differing (first probe)
+            accept(schedule, f"old{index}", [acceptance] * 6, steps=10)
+            schedule.forget(f"old{index}")
+        accept(schedule, "a", [0.0, 0.0])
+        ks = [schedule.plan([Candidate("a", 6), Candidate("new", 6)], num_generating=2) for _ in range(100)]
+        return [sum(k.values()) for k in ks if any(k.values())]
+
+    for old in ([0.0] * 8, [1.0] + [0.0] * 7):
+        assert probes(0.010, old) == []  # 11 ms a row against a 1 ms fixed cost: rows cost as much as tokens
+        assert len(probes(0.00001, old)) >= 3  # cheap rows: probed, as in the tests above
+
+
 def test_probe_waits_must_be_powers_of_two():
     # Probes of several requests share steps, and a step where none can fall skips the wait's pricing.
     for bad in (dict(probe_after=6), dict(max_probe_after=100), dict(probe_after=0)):
