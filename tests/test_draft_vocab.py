@@ -197,3 +197,42 @@ def test_the_ranking_tool_ranks_what_the_target_generates(models):
     assert info["vocab_size"] == VOCAB and info["tokens"] == 48
     assert sorted(info["ranking"]) == sorted(np.flatnonzero(counts).tolist())
     assert [counts[t] for t in info["ranking"]] == sorted((counts[t] for t in info["ranking"]), reverse=True)
+
+
+def test_the_ranking_tool_counts_the_targets_own_predictions_over_code(models, tmp_path):
+    """With --text-from, the ranking also counts the target's next token at every position of real files
+    (teacher-forced), checked against transformers' forward pass of the same checkpoint; those tokens
+    join the generated answers' in one ranking, with their counts kept, and coverage is also measured
+    on the held-out files."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dflash.training.vocab import build, predicted_tokens
+
+    code = tmp_path / "code"
+    code.mkdir()
+    for index in range(4):
+        body = "\n".join(f"def f{index}_{i}(x):\n    return x * {i} + {index}  # step {i}" for i in range(12))
+        (code / f"m{index}.py").write_text(body + "\n")
+    files = sorted(code.glob("*.py"))
+    predictions = predicted_tokens(models["target_f32"], files, max_tokens=10_000, chunk_tokens=64)
+    tokenizer = AutoTokenizer.from_pretrained(models["target_src"])
+    reference = AutoModelForCausalLM.from_pretrained(models["target_src"], torch_dtype=torch.float32)
+    expected = []
+    for path in files:
+        ids = tokenizer(path.read_text(), add_special_tokens=False)["input_ids"]
+        for first in range(0, len(ids), 64):
+            chunk = ids[first : first + 64]
+            if len(chunk) >= 32:
+                with torch.no_grad():
+                    expected.append(reference(torch.tensor([chunk])).logits[0].argmax(-1).tolist())
+    assert len(predictions) == len(expected) > 4
+    agree = sum(a == b for p, e in zip(predictions, expected, strict=True) for a, b in zip(p, e, strict=True))
+    assert agree >= 0.98 * sum(len(e) for e in expected)  # fp32 export against PyTorch: near-ties aside
+
+    info = build(models["target_f32"], num_prompts=8, max_new_tokens=6, concurrency=4, text_from=[code], text_tokens=10_000)
+    answers_only = build(models["target_f32"], num_prompts=8, max_new_tokens=6, concurrency=4)
+    assert info["tokens"] > answers_only["tokens"] == 48 and "held_out_coverage_text" in info
+    assert set(answers_only["ranking"]) <= set(info["ranking"])
+    assert len(info["counts"]) == len(info["ranking"]) and info["counts"] == sorted(info["counts"], reverse=True)
+    assert sum(info["counts"]) == info["tokens"]

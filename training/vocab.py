@@ -8,11 +8,16 @@ the same factor (FR-Spec, Zhao et al. 2025; EAGLE-3 ships drafts with a cut voca
 lossless: the target still verifies over its whole vocabulary.
 
 The ranking counts the tokens the target itself generates: its greedy answers to prompts (by default the
-built-in training prompts, never a benchmark set), generated with this package's engine. Half the
-prompts rank, the other half measure how much of the target's output the top N covers (held out by
-prompt), so the size can be chosen on data the ranking did not see:
+built-in training prompts, never a benchmark set), generated with this package's engine, and, with
+`--text-from`, its own next token at every position of real text and code (teacher-forced: one forward
+pass a stretch, no generation). Answers to chat prompts alone leave out the identifiers of code: the
+default drafts' first ranking (chat answers only, 97.1% of held-out answers covered by 8,192 tokens)
+cost the DSpark draft 7% of its acceptance on HumanEval against its whole vocabulary. Half the prompts
+(and half the files) rank, the other half measure how much of the target's output the top N covers
+(held out by prompt and by file), so the size can be chosen on data the ranking did not see:
 
-    python -m dflash.training.vocab TARGET_DIR draft_vocab.json --num-prompts 1200
+    python -m dflash.training.vocab TARGET_DIR draft_vocab.json --num-prompts 1200 \
+        --text-from /usr/lib/python3.11 --text-tokens 120000
 """
 
 from __future__ import annotations
@@ -57,27 +62,73 @@ def generated_answers(target_dir: str | Path, prompts: Sequence[str], *, max_new
     return [list(result.token_ids) for result in engine.generate(prompts, params, chat=True)]
 
 
-def build(target_dir: str | Path, *, num_prompts: int, max_new_tokens: int, concurrency: int, seed: int = 0) -> dict:
-    """Rank the target's tokens by its answers to `num_prompts` built-in prompts. Coverage is measured
-    held out by prompt (a ranking made on one half, counted on the other), then the ranking that is kept
-    is made on all the answers."""
+def predicted_tokens(target_dir: str | Path, files: Iterable[Path], *, max_tokens: int,
+                     chunk_tokens: int = 512) -> list[list[int]]:  # fmt: skip
+    """The target's own next token (its argmax) at every position of stretches of `files`, teacher-forced:
+    one forward pass a stretch of `chunk_tokens` (the exported target through optimum-intel), until about
+    `max_tokens` positions."""
+    import torch
+    from optimum.intel import OVModelForCausalLM
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    model = OVModelForCausalLM.from_pretrained(target_dir, compile=True)
+    predictions: list[list[int]] = []
+    total = 0
+    for path in files:
+        try:
+            ids = tokenizer(path.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
+        except (UnicodeDecodeError, OSError):
+            continue
+        for first in range(0, len(ids), chunk_tokens):
+            chunk = ids[first : first + chunk_tokens]
+            if len(chunk) < 32:
+                continue
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([chunk]), attention_mask=torch.ones(1, len(chunk), dtype=torch.int64)).logits
+            predictions.append(logits[0].argmax(-1).tolist())
+            total += len(chunk)
+            if total >= max_tokens:
+                return predictions
+    return predictions
+
+
+def build(target_dir: str | Path, *, num_prompts: int, max_new_tokens: int, concurrency: int, seed: int = 0,
+          text_from: Sequence[str | Path] = (), text_tokens: int = 120_000) -> dict:  # fmt: skip
+    """Rank the target's tokens by its answers to `num_prompts` built-in prompts and, with `text_from`,
+    by its predictions over about `text_tokens` positions of the files there (`predicted_tokens`), the two
+    counted alike. Coverage is measured held out (a ranking made on half the prompts and half the
+    files, counted on the other halves, each source on its own), then the ranking that is kept is made
+    on all of it. `counts` keeps each ranked token's count, so that a later ranking can add to it."""
+    from dflash.training.corpus import source_files
     from dflash.training.prompts import builtin_prompts
 
     prompts = builtin_prompts(num_prompts, seed=seed)
     answers = generated_answers(target_dir, prompts, max_new_tokens=max_new_tokens, concurrency=concurrency)
     vocab_size = _vocab_size(target_dir)
     half = len(answers) // 2
-    ranked_counts, held_out_counts = count_tokens(answers[:half], vocab_size), count_tokens(answers[half:], vocab_size)
-    held_out = coverage(rank_tokens(ranked_counts), held_out_counts)
-    counts = ranked_counts + held_out_counts
+    halves = {"answers": (count_tokens(answers[:half], vocab_size), count_tokens(answers[half:], vocab_size))}
+    source = (f"greedy answers of the target to {len(answers)} built-in training prompts (chat template, "
+              f"{max_new_tokens} new tokens, EOS ignored)")  # fmt: skip
+    if text_from:
+        files = source_files(text_from, suffixes=(".py",), seed=seed)
+        first_half, second_half = files[0::2], files[1::2]  # every other file: both halves sample every package
+        texts = [predicted_tokens(target_dir, part, max_tokens=text_tokens // 2) for part in (first_half, second_half)]
+        halves["text"] = tuple(count_tokens(part, vocab_size) for part in texts)
+        source += (f", and its own next token at {int(sum(h.sum() for h in halves['text']))} positions of Python files under "
+                   f"{', '.join(str(p) for p in text_from)} (teacher-forced, files held out by halves)")  # fmt: skip
+    ranking_half = rank_tokens(sum(first for first, _ in halves.values()))
+    held_out = {name: coverage(ranking_half, second) for name, (_, second) in halves.items()}
+    counts = sum(first + second for first, second in halves.values())
+    ranking = rank_tokens(counts)[: int(np.count_nonzero(counts))]
     return {
-        "source": f"greedy answers of the target to {len(answers)} built-in training prompts (chat template, "
-                  f"{max_new_tokens} new tokens, EOS ignored); held-out coverage: ranked on the answers to "
-                  f"{half} prompts, counted on the other {len(answers) - half}",
+        "source": source + "; held-out coverage: ranked on half the prompts (and files), counted on the other half",
         "vocab_size": vocab_size,
         "tokens": int(counts.sum()),
-        "held_out_coverage": {str(n): c for n, c in held_out.items()},
-        "ranking": rank_tokens(counts)[: int(np.count_nonzero(counts))].tolist(),
+        "held_out_coverage": {str(n): c for n, c in held_out["answers"].items()},
+        **({"held_out_coverage_text": {str(n): c for n, c in held_out["text"].items()}} if "text" in held_out else {}),
+        "ranking": ranking.tolist(),
+        "counts": counts[ranking].tolist(),
     }  # fmt: skip
 
 
@@ -92,9 +143,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-prompts", type=int, default=1200)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--text-from", action="append", default=[], metavar="PATH",
+                        help="also count the target's own next token over the Python files under PATH (repeatable)")  # fmt: skip
+    parser.add_argument("--text-tokens", type=int, default=120_000, help="positions of --text-from to count")
     args = parser.parse_args(argv)
     info = build(args.target_dir, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
-                 concurrency=args.concurrency)  # fmt: skip
+                 concurrency=args.concurrency, text_from=args.text_from, text_tokens=args.text_tokens)  # fmt: skip
     Path(args.out).write_text(json.dumps(info) + "\n")
     print(json.dumps({k: v for k, v in info.items() if k != "ranking"}, indent=1))
     return 0
