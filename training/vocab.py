@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     info = build(args.target_dir, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
                  concurrency=args.concurrency, text_from=args.text_from, text_tokens=args.text_tokens)  # fmt: skip
     Path(args.out).write_text(json.dumps(info) + "\n")
-    print(json.dumps({k: v for k, v in info.items() if k != "ranking"}, indent=1))
+    print(json.dumps({k: v for k, v in info.items() if k not in ("ranking", "counts")}, indent=1))
     return 0
 
 
