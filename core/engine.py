@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .blas_threads import one_blas_thread
 from .config import EngineConfig, SamplingParams
 from .detokenizer import IncrementalDetokenizer
 from .drafter import NoDrafter, TargetStep, draft_probs
@@ -167,7 +168,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return what each touched request produced."""
-        with self._lock:
+        with self._lock, one_blas_thread():  # numpy's BLAS workers would spin on the inference's cores
             return self._step()
 
     def _step(self) -> list[RequestOutput]:

@@ -585,3 +585,24 @@ def test_f32_turns_off_dynamic_quantization(qwen3, shared_engine):
     assert int(compiled.get_property("DYNAMIC_QUANTIZATION_GROUP_SIZE")) == 0
     explicit = make_engine(qwen3.ov_dir, ov_config={**F32, "DYNAMIC_QUANTIZATION_GROUP_SIZE": "64"}, num_kv_blocks=4)
     assert int(explicit.runner.compiled.get_property("DYNAMIC_QUANTIZATION_GROUP_SIZE")) == 64
+
+
+def test_numpy_blas_runs_on_one_thread_inside_a_step_and_as_before_outside(qwen3, engine, monkeypatch):
+    """OpenBLAS's idle workers spin on the cores OpenVINO infers on (core/blas_threads.py): inside a
+    step (the target's inference included) BLAS is limited to one thread, and the limit set before the
+    step is back after it."""
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    def blas_threads() -> set[int]:
+        return {pool["num_threads"] for pool in threadpool_info() if pool["user_api"] == "blas"}
+
+    seen: list[set[int]] = []
+    run = engine.runner.run
+    monkeypatch.setattr(engine.runner, "run", lambda step: (seen.append(blas_threads()), run(step))[1])
+    with threadpool_limits(limits=2, user_api="blas"):
+        assert blas_threads() == {2}
+        engine.add_request(PROMPTS[1], GREEDY, req_id="blas")
+        engine.run_until_done()
+        assert blas_threads() == {2}
+    assert seen and all(threads == {1} for threads in seen)
+    assert engine.result("blas").token_ids == qwen3.reference[1]
