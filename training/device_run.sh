@@ -200,7 +200,16 @@ benchmarks() {  # what the data must not overlap: HumanEval (carried by `run`, k
   echo "${specs[@]}"
 }
 
+generators_that_fit() {  # a greedy generator at GEN_BATCH 768 holds up to ~18.5 GiB (long stub prompts)
+  # 2026-12-07, an H100 (79 GiB): GEN_PROCS=5, sized for an H200, ran out of memory in the stub pass (4 x 17-18 GiB held)
+  "$PY" -c "import torch; total = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 1e9; \
+print(max(1, int(total / (18.5 * $GEN_BATCH / 768))))"
+}
+
 make_data() {
+  local fit
+  fit=$(generators_that_fit)
+  if [ "$GEN_PROCS" -gt "$fit" ]; then log "GEN_PROCS $GEN_PROCS -> $fit: no more generators fit this GPU's memory at GEN_BATCH $GEN_BATCH"; GEN_PROCS=$fit; fi
   # Prompts: built-in chat/coding prompts + function stubs of this machine's Python (stdlib + site-packages).
   "$PY" - "$DEV" "$GEN_PROCS" "$CHAT_SAMPLES" <<'EOF'
 import json, os, random, sys, sysconfig
