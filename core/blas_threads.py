@@ -6,11 +6,13 @@ waiting for the next call, for a while after it returns. OpenVINO's inference th
 after, share those cores with them. On a 2-core Xeon, a c=8 step of the default DSpark pair took 94 ms
 (the target's inference 78 ms) with numpy's two threads and 66 ms (53 ms) with one; at c=1 a DSpark
 draft with a 16,384-token vocabulary 48.6 ms against 36.9 (docs/benchmarks.md, twenty-third
-session). No product the engine computes in numpy is large enough to gain from a second thread.
+session). What one thread costs the engine's own numpy work is small against that: the host time of
+that c=8 step rose from 5.1 to 5.7 ms (the Markov walk).
 
 `one_blas_thread()` limits every BLAS library numpy (or anything else in the process) loaded, for
 the duration of a block, through threadpoolctl, and restores what was set before on the way out:
-an application's own numpy work between engine steps keeps its threads. About 8 us a step.
+an application's own numpy work between engine steps keeps its threads (the limit is the process's,
+so numpy work in another thread during a step runs on one thread too). About 8 us a step.
 """
 
 from __future__ import annotations
