@@ -504,6 +504,27 @@ class AdaptiveSchedule:
             cost = self.target_costs[batch_class(num_requests)] = self._new_target_line()
         return cost
 
+    def pricing_line(self, num_requests: int) -> LinearCost | None:
+        """The line that prices target steps of `num_requests` requests: their class's own once it is
+        fitted, until then the nearest larger class's, None while neither is fitted.
+
+        A class's line needs steps of that batch size with varied rows. Explored by one request at a time
+        (the others drafting nothing) while it had none, a c=8 wave lost its tail to it: as a wave's
+        requests end, its batch passes through the classes 4-7, 2-3 and 1, each explored in turn (39
+        plans at 5-7 requests in the first wave of HumanEval in which one request drafted and the rest
+        nothing; that wave took 5.3 s where later ones took 3.2, and 4.8 s priced by the larger class).
+        A larger batch prices a row lower (on a 4th-generation Xeon 0.31-0.33 ms a row for 2-15
+        requests, 1 ms for one), so its line errs toward drafting, and the steps it lets draft are the
+        varied steps the class's own line is then fitted on. A smaller batch's line errs the other way:
+        fitted on a c=1 warm-up, it priced c=8's candidates so high that nothing drafted, and a class
+        that does not draft gathers no steps to correct it; there one request explores."""
+        own = self.target_cost(num_requests)
+        if own.fit() is not None:
+            return own
+        wanted = batch_class(num_requests)
+        larger = [k for k, line in self.target_costs.items() if k > wanted and line.fit() is not None]
+        return self.target_costs[min(larger)] if larger else None
+
     def _new_target_line(self) -> LinearCost:
         """A batch-size class's line of target steps, before any step: seconds over (rows, reshaped)."""
         return LinearCost(num_counts=2, min_samples=self.min_steps, min_spread=(0.5, 0.2), optional=(1,))
@@ -514,13 +535,15 @@ class AdaptiveSchedule:
         measured = self._plain_seconds.get(rows)
         if measured is not None:
             return measured[0]
-        return (self.target_cost(rows) if line is None else line).seconds(rows, 0)
+        return (line or self.pricing_line(rows) or self.target_cost(rows)).seconds(rows, 0)
 
     def verify_step_seconds(self, rows: int, num_requests: int = 1) -> float:
         """Seconds of a target step of `rows` rows for `num_requests` requests that verifies candidates
         and keeps the previous step's shape: measured (`_MIN_MEASURED` steps), or from the line."""
         measured = self._measured_verify_seconds(num_requests).get(rows)
-        return measured if measured is not None else self.target_cost(num_requests).seconds(rows, 0)
+        if measured is not None:
+            return measured
+        return (self.pricing_line(num_requests) or self.target_cost(num_requests)).seconds(rows, 0)
 
     def _measured_verify_seconds(self, num_requests: int) -> dict[int, float]:
         """rows -> mean seconds, of the row counts measured `_MIN_MEASURED` times for `num_requests` requests.
@@ -539,8 +562,8 @@ class AdaptiveSchedule:
 
     def reshape_seconds(self, num_requests: int = 1) -> float:
         """What a target step pays for rows that differ from the previous step's (as of the latest fit)."""
-        fit = self.target_cost(num_requests).fit()
-        return fit[2] if fit is not None else 0.0
+        line = self.pricing_line(num_requests)
+        return line.fit()[2] if line is not None else 0.0
 
     def shape_lifetime(self, num_requests: int = 1) -> float:
         """How many steps the shape of a step that verifies candidates has lasted lately, for
@@ -687,7 +710,7 @@ class AdaptiveSchedule:
             return {}
         if self.draft_cost.fit() is None or self.engine_wide.is_empty:
             ks = {c.req_id: self._explore(c.cap) for c in candidates}
-        elif self.target_cost(num_generating).fit() is None:  # a batch size not priced yet: one request explores
+        elif self.pricing_line(num_generating) is None:  # a batch size not priced yet: one request explores
             ks = dict.fromkeys((c.req_id for c in candidates), 0)
             ks[candidates[0].req_id] = self._explore(candidates[0].cap)
         else:
@@ -762,7 +785,7 @@ class AdaptiveSchedule:
         steady = last_rows if last_rows is not None else 0  # below this many rows, a slot may save the reshape
         if top <= 0 and num_generating >= steady:
             return ks  # nothing is expected to be accepted (a draft that accepts nothing): no costs to weigh
-        t_fixed, t_row, t_reshape = self.target_cost(num_generating).fit()
+        t_fixed, t_row, t_reshape = self.pricing_line(num_generating).fit()
         t_reshape /= self.shape_lifetime(num_generating)  # paid once, spread over the steps the new shape lasts
         d_fixed, d_context, d_block, d_candidate = self.draft_cost.fit()
         measured = self._measured_verify_seconds(num_generating)
@@ -841,7 +864,7 @@ class AdaptiveSchedule:
         if not known:
             return True  # nothing tells how long the batch lasts: the step's gain decides alone
         longest = max(known)
-        line = self.target_cost(num_generating)  # a smaller batch's class may have no line yet: this one prices it
+        line = self.pricing_line(num_generating)  # a smaller batch's class may have no line yet: this one prices it
         _, t_row, _ = line.fit()
         d_fixed, d_context, d_block, d_candidate = self.draft_cost.fit()
         # per request, without drafting and with the plan: (steps to finish, candidates a step, its draft seconds a step)
@@ -922,7 +945,7 @@ class AdaptiveSchedule:
         costing a share of the step), probes that accept little cost more than they find and wait
         longer (measured: chat prompts at c=16 lost 15% while drafting 4% of request steps, mostly
         probes of two candidates)."""
-        _, t_row, t_reshape = self.target_cost(num_generating).fit()
+        _, t_row, t_reshape = self.pricing_line(num_generating).fit()
         d_fixed, d_context, d_block, d_candidate = self.draft_cost.fit()
         k = min(c.cap, self.probe_candidates)
         per_request = self.plain_step_seconds(num_generating) / max(num_generating, 1)  # seconds a request-step

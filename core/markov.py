@@ -94,7 +94,9 @@ class MarkovHeadRunner:
             core = ov.Core()
             self._dense = _HeadPart(core.compile_model(markov_head_part(model, "dense"), device, config))
             self._topk = _HeadPart(core.compile_model(markov_head_part(model, "topk"), device, config))
-        self._w2_columns: tuple[np.ndarray | None, np.ndarray | None] = (None, None)  # (vocab_ids, W2[vocab_ids])
+        # (vocab_ids, W2[vocab_ids] transposed to [r, V'] and contiguous): a row's bias is then one pass
+        # over a [r, V'] table (a third faster than over W2's [V', r] rows, measured cold at c=1)
+        self._w2t: tuple[np.ndarray | None, np.ndarray | None] = (None, None)
         self.vocab_size = _shape_or_rt_info(model, "markov_bias", -1, "vocab_size")
         self.rank = int(read_rt_info(model, "markov_head", "rank") or 0)
         default_k = read_rt_info(model, "markov_head", "top_k")  # the export's walk: 0 dense, K > 0 a lattice
@@ -113,11 +115,9 @@ class MarkovHeadRunner:
             return bias if vocab_ids is None else bias[:, vocab_ids]
         start = time.perf_counter()
         w1, w2 = self._tables
-        if vocab_ids is not None:
-            if self._w2_columns[0] is not vocab_ids:  # the draft's vocabulary: the same array every step
-                self._w2_columns = (vocab_ids, np.ascontiguousarray(w2[vocab_ids]))
-            w2 = self._w2_columns[1]
-        bias = w1[prev] @ w2.T
+        if self._w2t[1] is None or self._w2t[0] is not vocab_ids:  # the same array (or None) every step
+            self._w2t = (vocab_ids, np.ascontiguousarray((w2 if vocab_ids is None else w2[vocab_ids]).T))
+        bias = w1[prev] @ self._w2t[1]
         self._book(start)
         return bias
 
@@ -205,8 +205,9 @@ class MarkovHeadRunner:
         for position in range(max((len(u) for u in base), default=0)):
             active = [i for i, u in enumerate(base) if len(u) > position]
             prev = [drafted[i][-1] if position else anchors[i] for i in active]
-            bias = self.markov_bias(np.asarray(prev, dtype=np.int64), vocab_ids)  # one call for every request here
-            logits = np.stack([base[i][position] for i in active]) + bias
+            logits = self.markov_bias(np.asarray(prev, dtype=np.int64), vocab_ids)  # one call for every request here
+            for row, i in enumerate(active):
+                logits[row] += base[i][position]
             picks = logits.argmax(axis=1)
             for row, i in enumerate(active):
                 if sampling[i] is None:

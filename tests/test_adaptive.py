@@ -211,6 +211,29 @@ def test_each_batch_size_class_is_priced_on_its_own_steps():
     assert all(k >= 1 for k in schedule.plan(requests, num_generating=8).values())
 
 
+def test_a_smaller_batch_is_priced_on_the_nearest_larger_class_until_it_has_its_own_line():
+    """As a wave of 8 ends, its batch passes through 4-7, 2-3 and 1 requests: each class without a line
+    of its own is priced on the nearest larger class's (rows there cost less, so it errs toward
+    drafting, whose steps then fit the class's own line), and all its requests draft at once instead of
+    one request exploring while the rest draft nothing. A line of its own then takes over."""
+    schedule = AdaptiveSchedule(min_steps=4, prior_weight=0.0)
+    for rows, context in ((8, 1), (16, 4), (24, 2), (32, 9), (40, 3)) * 2:
+        schedule.observe_target(rows, 0.030 + 0.001 * rows, num_requests=8)
+        schedule.observe_draft(context, rows, rows - 8, 0.002 + 0.0001 * rows)
+    requests = [Candidate(f"r{i}", 4) for i in range(3)]
+    for c in requests:
+        accept(schedule, c.req_id, [0.8, 0.6, 0.45, 0.3])
+    assert schedule.target_cost(3).fit() is None and schedule.target_cost(16).fit() is None
+    assert schedule.pricing_line(3) is schedule.target_cost(8)
+    assert schedule.pricing_line(16) is None  # no larger class is fitted: one request explores there
+    assert all(k >= 1 for k in schedule.plan(requests, num_generating=3).values())
+    for rows in (3, 6, 9, 12, 15) * 2:  # this class's own steps: a row costs 20 ms here
+        schedule.observe_target(rows, 0.010 + 0.020 * rows, num_requests=3)
+    assert schedule.pricing_line(3) is schedule.target_cost(3)
+    assert schedule.pricing_line(3).fit() == pytest.approx((0.010, 0.020, 0.0))
+    assert not any(schedule.plan(requests, num_generating=3).values())
+
+
 def test_the_first_step_of_each_shape_is_not_measured():
     """OpenVINO's first inference of a new input shape prepares its kernels and runs several times
     slower; fitted, the warm-up's and exploration's first steps of each row count made the target's line
