@@ -332,6 +332,19 @@ def test_without_fitted_costs_it_explores_whole_half_single_and_empty_blocks():
     assert any(sizes[i] == sizes[i + 1] == 0 for i in range(9))
 
 
+def test_once_not_drafting_is_priced_exploration_varies_the_block_only():
+    """Exploring, a step without candidates serves only to price not drafting: once a plain step of
+    the batch's rows is measured (here 8 requests, after its first, unmeasured, step), every exploring
+    step drafts: whole block, half, one."""
+    schedule = AdaptiveSchedule()
+    for _ in range(2):  # the first step of a shape is not measured
+        schedule.observe_target(8, 0.030, verified_candidates=False, num_requests=8)
+    requests = [Candidate(f"r{i}", 7) for i in range(8)]
+    sizes = [sum(schedule.plan(requests, num_generating=8).values()) for _ in range(6)]
+    assert sorted(sizes[:3]) == [8, 32, 56] and sizes[3:] == sizes[:3]
+    assert sorted(sum(schedule.plan(requests[:4], num_generating=4).values()) for _ in range(5)) == [0, 0, 4, 16, 28]
+
+
 def test_a_closed_batch_drafts_only_where_it_finishes_sooner():
     """Target 10 ms + 1 ms a row, a cheap draft; request "good" accepts every candidate, "bad" none.
     While requests wait for a place, drafting 3 for "good" pays (5 tokens in 16 ms against 2 in 12):
