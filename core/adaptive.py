@@ -53,11 +53,13 @@ Until both lines are fitted (`min_steps` varied steps each) the schedule explore
 half of it, one candidate and none twice, step by step (a step without candidates right after one with
 is a reshape, and only the second prices not drafting: with only the first, a batch size never measured
 its plain step while exploring, priced it on the line, about a fifth too high at c=8 on an AVX2 CPU,
-and drafted at 187 tokens/s where not drafting ran 214). Once the draft's line and the acceptance are
-known, a batch size whose class has no line yet is explored by one request alone (its block moves the
-rows all the same): at c=8, 4 to 7 requests generate only while a wave's prompts are read and at its
-end, and whole blocks for every one of them there cost 60-100 ms steps where a plain one took 25-35,
-in every round of a benchmark (the class gathered varied steps slowly).
+and drafted at 187 tokens/s where not drafting ran 214); once that plain step is measured, the blocks
+alone (`_explore`). Once the draft's line and the acceptance are known, a batch size whose class has no
+line yet is priced on the nearest larger class's line (`pricing_line`: rows cost less there, so it errs
+toward drafting, whose steps then fit the class's own line); where no larger class has one, it is
+explored by one request alone (its block moves the rows all the same): whole blocks for every request
+of a class never priced cost 60-100 ms steps at c=8 where a plain one took 25-35, in every round of a
+benchmark (the class gathered varied steps slowly).
 """
 
 from __future__ import annotations
