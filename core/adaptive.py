@@ -56,10 +56,11 @@ its plain step while exploring, priced it on the line, about a fifth too high at
 and drafted at 187 tokens/s where not drafting ran 214); once that plain step is measured, the blocks
 alone (`_explore`). Once the draft's line and the acceptance are known, a batch size whose class has no
 line yet is priced on the nearest larger class's line (`pricing_line`: rows cost less there, so it errs
-toward drafting, whose steps then fit the class's own line); where no larger class has one, it is
-explored by one request alone (its block moves the rows all the same): whole blocks for every request
-of a class never priced cost 60-100 ms steps at c=8 where a plain one took 25-35, in every round of a
-benchmark (the class gathered varied steps slowly).
+toward drafting, whose steps then fit the class's own line); where only a smaller class has one (a c=8
+batch after a c=1 warm-up, as in `dflash bench`), that line's "draft" is taken (it prices rows high) and
+its "do not draft" is not: the batch is explored by one request alone (its block moves the rows all the
+same). Whole blocks for every request of a class never priced cost 60-100 ms steps at c=8 where a plain
+one took 25-35, in every round of a benchmark (the class gathered varied steps slowly).
 """
 
 from __future__ import annotations
@@ -522,7 +523,8 @@ class AdaptiveSchedule:
 
     def pricing_line(self, num_requests: int) -> LinearCost | None:
         """The line that prices target steps of `num_requests` requests: their class's own once it is
-        fitted, until then the nearest larger class's, None while neither is fitted.
+        fitted; until then the nearest larger class's, else the nearest smaller class's; None while no
+        class is fitted.
 
         A class's line needs steps of that batch size with varied rows. Explored by one request at a time
         (the others drafting nothing) while it had none, a c=8 wave lost its tail to it: as a wave's
@@ -531,15 +533,19 @@ class AdaptiveSchedule:
         nothing; that wave took 5.3 s where later ones took 3.2, and 4.8 s priced by the larger class).
         A larger batch prices a row lower (on a 4th-generation Xeon 0.31-0.33 ms a row for 2-15
         requests, 1 ms for one), so its line errs toward drafting, and the steps it lets draft are the
-        varied steps the class's own line is then fitted on. A smaller batch's line errs the other way:
-        fitted on a c=1 warm-up, it priced c=8's candidates so high that nothing drafted, and a class
-        that does not draft gathers no steps to correct it; there one request explores."""
-        own = self.target_cost(num_requests)
-        if own.fit() is not None:
-            return own
+        varied steps the class's own line is then fitted on. A smaller batch's line errs the other way,
+        so `plan` takes only its "draft": fitted on a c=1 warm-up, it priced c=8's candidates so high
+        that nothing drafted, and a class that does not draft gathers no steps to correct it."""
+        priced_by = self._pricing_class(num_requests)
+        return None if priced_by is None else self.target_costs[priced_by]
+
+    def _pricing_class(self, num_requests: int) -> int | None:
+        """The batch-size class whose line `pricing_line` takes for `num_requests` requests."""
         wanted = batch_class(num_requests)
-        larger = [k for k, line in self.target_costs.items() if k > wanted and line.fit() is not None]
-        return self.target_costs[min(larger)] if larger else None
+        if self.target_cost(num_requests).fit() is not None:
+            return wanted
+        fitted = [k for k, line in self.target_costs.items() if k != wanted and line.fit() is not None]
+        return min(fitted, key=lambda k: (k < wanted, abs(k - wanted))) if fitted else None
 
     def _new_target_line(self) -> LinearCost:
         """A batch-size class's line of target steps, before any step: seconds over (rows, reshaped)."""
@@ -726,7 +732,10 @@ class AdaptiveSchedule:
             return {}
         if self.draft_cost.fit() is None or self.engine_wide.is_empty:
             ks = {c.req_id: self._explore(c.cap, num_generating) for c in candidates}
-        elif self.pricing_line(num_generating) is None:  # a batch size not priced yet: one request explores
+        elif (priced_by := self._pricing_class(num_generating)) is None or (
+            priced_by < batch_class(num_generating)
+            and not any(self._best(candidates, num_generating, candidate_offset, other_draft_rows, last_rows).values())
+        ):  # a batch size not priced yet, or priced only by a smaller batch that drafts nothing: one request explores
             ks = dict.fromkeys((c.req_id for c in candidates), 0)
             ks[candidates[0].req_id] = self._explore(candidates[0].cap, num_generating)
         else:

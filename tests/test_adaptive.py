@@ -190,6 +190,21 @@ def test_a_stale_row_count_mean_still_prices_but_its_next_steps_soon_outweigh_it
     assert schedule.state()["verify_seconds"]["1"]["5"] == [pytest.approx(0.0265), 4]
 
 
+def test_a_larger_batch_drafts_on_a_smaller_class_line_only_where_that_line_says_drafting_pays():
+    """A smaller batch's line prices rows high. Where drafting pays even at that price (steps of one
+    request: 10 ms + 1 ms a row), a batch of 8 without a line of its own drafts for all its requests at
+    once; where it does not (5 ms a row: `test_each_batch_size_class_is_priced_on_its_own_steps`), one
+    request explores, since a line that says "do not draft" would never be corrected."""
+    schedule = fitted((0.010, 0.001), (0.001, 0.0001))
+    schedule.target_costs = {1: schedule.target_costs[1]}  # only the class of one request has a line
+    requests = [Candidate(f"r{i}", 4) for i in range(8)]
+    for c in requests:
+        accept(schedule, c.req_id, [0.8, 0.6, 0.45, 0.3])
+    assert schedule.target_cost(8).fit() is None
+    assert schedule.pricing_line(8) is schedule.target_cost(1)
+    assert all(k >= 1 for k in schedule.plan(requests, num_generating=8).values())
+
+
 def test_each_batch_size_class_is_priced_on_its_own_steps():
     """A line fitted on steps of one request (5 ms a row) says no candidate pays at c=8; a step of 8
     requests is priced on its own class's steps: until it has them one request explores (whole block,
@@ -225,7 +240,6 @@ def test_a_smaller_batch_is_priced_on_the_nearest_larger_class_until_it_has_its_
         accept(schedule, c.req_id, [0.8, 0.6, 0.45, 0.3])
     assert schedule.target_cost(3).fit() is None and schedule.target_cost(16).fit() is None
     assert schedule.pricing_line(3) is schedule.target_cost(8)
-    assert schedule.pricing_line(16) is None  # no larger class is fitted: one request explores there
     assert all(k >= 1 for k in schedule.plan(requests, num_generating=3).values())
     for rows in (3, 6, 9, 12, 15) * 2:  # this class's own steps: a row costs 20 ms here
         schedule.observe_target(rows, 0.010 + 0.020 * rows, num_requests=3)
