@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 
 import pytest
 
@@ -190,6 +191,20 @@ def test_a_stale_row_count_mean_still_prices_but_its_next_steps_soon_outweigh_it
     assert schedule.state()["verify_seconds"]["1"]["5"] == [pytest.approx(0.0265), 4]
 
 
+def one_class_line(num_requests: int, target: tuple[float, float], rows: Sequence[int],
+                   num_candidates: int) -> tuple[AdaptiveSchedule, list[Candidate]]:  # fmt: skip
+    """A schedule with one target line, the class of `num_requests` (fixed + per row, over `rows` twice),
+    a cheap draft, and `num_candidates` requests of 4 candidates that accept 0.8, 0.6, 0.45, 0.3."""
+    schedule = AdaptiveSchedule(min_steps=4, prior_weight=0.0)
+    for step_rows, context in zip(tuple(rows) * 2, (1, 4, 2, 9, 3) * 2):
+        schedule.observe_target(step_rows, target[0] + target[1] * step_rows, num_requests=num_requests)
+        schedule.observe_draft(context, step_rows, step_rows - num_requests, 0.002 + 0.0001 * step_rows)
+    requests = [Candidate(f"r{i}", 4) for i in range(num_candidates)]
+    for c in requests:
+        accept(schedule, c.req_id, [0.8, 0.6, 0.45, 0.3])
+    return schedule, requests
+
+
 def test_a_larger_batch_drafts_on_a_smaller_class_line_only_where_that_line_says_drafting_pays():
     """A smaller batch's line prices rows high. Where drafting pays even at that price (steps of one
     request: 10 ms + 1 ms a row), a batch of 8 without a line of its own drafts for all its requests at
@@ -209,13 +224,7 @@ def test_each_batch_size_class_is_priced_on_its_own_steps():
     """A line fitted on steps of one request (5 ms a row) says no candidate pays at c=8; a step of 8
     requests is priced on its own class's steps: until it has them one request explores (whole block,
     half, one, none twice; the others draft nothing), and with them (1 ms a row) all 8 requests draft."""
-    schedule = AdaptiveSchedule(min_steps=4, prior_weight=0.0)
-    for rows, context in ((2, 1), (3, 4), (4, 2), (5, 9), (6, 3)) * 2:
-        schedule.observe_target(rows, 0.010 + 0.005 * rows, num_requests=1)
-        schedule.observe_draft(context, rows, rows - 1, 0.002 + 0.0001 * rows)
-    requests = [Candidate(f"r{i}", 4) for i in range(8)]
-    for c in requests:
-        accept(schedule, c.req_id, [0.8, 0.6, 0.45, 0.3])
+    schedule, requests = one_class_line(1, (0.010, 0.005), (2, 3, 4, 5, 6), num_candidates=8)
     assert schedule.target_cost(8).fit() is None
     plans = [schedule.plan(requests, num_generating=8) for _ in range(5)]
     assert sorted(sum(ks.values()) for ks in plans) == [0, 0, 1, 2, 4]
@@ -231,13 +240,7 @@ def test_a_smaller_batch_is_priced_on_the_nearest_larger_class_until_it_has_its_
     of its own is priced on the nearest larger class's (rows there cost less, so it errs toward
     drafting, whose steps then fit the class's own line), and all its requests draft at once instead of
     one request exploring while the rest draft nothing. A line of its own then takes over."""
-    schedule = AdaptiveSchedule(min_steps=4, prior_weight=0.0)
-    for rows, context in ((8, 1), (16, 4), (24, 2), (32, 9), (40, 3)) * 2:
-        schedule.observe_target(rows, 0.030 + 0.001 * rows, num_requests=8)
-        schedule.observe_draft(context, rows, rows - 8, 0.002 + 0.0001 * rows)
-    requests = [Candidate(f"r{i}", 4) for i in range(3)]
-    for c in requests:
-        accept(schedule, c.req_id, [0.8, 0.6, 0.45, 0.3])
+    schedule, requests = one_class_line(8, (0.030, 0.001), (8, 16, 24, 32, 40), num_candidates=3)
     assert schedule.target_cost(3).fit() is None and schedule.target_cost(16).fit() is None
     assert schedule.pricing_line(3) is schedule.target_cost(8)
     assert all(k >= 1 for k in schedule.plan(requests, num_generating=3).values())
