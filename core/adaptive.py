@@ -732,23 +732,24 @@ class AdaptiveSchedule:
             return {}
         if self.draft_cost.fit() is None or self.engine_wide.is_empty:
             ks = {c.req_id: self._explore(c.cap, num_generating) for c in candidates}
-        elif (priced_by := self._pricing_class(num_generating)) is None or (
-            priced_by < batch_class(num_generating)
-            and not any(self._best(candidates, num_generating, candidate_offset, other_draft_rows, last_rows).values())
-        ):  # a batch size not priced yet, or priced only by a smaller batch that drafts nothing: one request explores
-            ks = dict.fromkeys((c.req_id for c in candidates), 0)
-            ks[candidates[0].req_id] = self._explore(candidates[0].cap, num_generating)
         else:
-            ks = self._best(candidates, num_generating, candidate_offset, other_draft_rows, last_rows)
-            if closed and num_generating > 1 and any(ks.values()) and not self._finishes_sooner(candidates, ks, num_generating, candidate_offset):  # fmt: skip
-                ks = dict.fromkeys(ks, 0)
-            chosen = any(ks.values())
+            priced_by = self._pricing_class(num_generating)
+            ks = None if priced_by is None else self._best(candidates, num_generating, candidate_offset, other_draft_rows, last_rows)  # fmt: skip
+            if ks is None or (priced_by < batch_class(num_generating) and not any(ks.values())):
+                # a batch size not priced yet, or priced only by a smaller batch's line, whose "do not draft"
+                # would never be corrected (`pricing_line`): one request explores
+                ks = dict.fromkeys((c.req_id for c in candidates), 0)
+                ks[candidates[0].req_id] = self._explore(candidates[0].cap, num_generating)
+            else:
+                if closed and num_generating > 1 and any(ks.values()) and not self._finishes_sooner(candidates, ks, num_generating, candidate_offset):  # fmt: skip
+                    ks = dict.fromkeys(ks, 0)
+                chosen = any(ks.values())
 
-            def could_pay(req_id: str) -> bool:  # would it draft if its draft accepted everything?
-                best = self._best(candidates, num_generating, candidate_offset, other_draft_rows, last_rows, certain=req_id)
-                return best[req_id] > 0
+                def could_pay(req_id: str) -> bool:  # would it draft if its draft accepted everything?
+                    best = self._best(candidates, num_generating, candidate_offset, other_draft_rows, last_rows, certain=req_id)
+                    return best[req_id] > 0
 
-            self._probe(candidates, ks, num_generating, candidate_offset, could_pay)
+                self._probe(candidates, ks, num_generating, candidate_offset, could_pay)
         self._chosen.append(chosen)
         for c in candidates:
             state = self._state(c.req_id)
