@@ -55,6 +55,23 @@ def test_linear_cost_recovers_fixed_and_per_row_and_keeps_a_fit_when_rows_stop_v
     assert LinearCost(min_samples=4).fit() is None
 
 
+def test_a_full_window_refits_after_a_quarter_of_it_is_new_and_at_once_when_a_held_price_changes():
+    """A refit costs several plans' time in the engine: a window of 128 refits after 32 new steps (a
+    smaller one after `refit_every`, 8), and at once when `know` changes a held coefficient."""
+    cost = LinearCost(num_counts=2, min_samples=4, optional=(1,))
+    for i in range(128):
+        rows = 2 + i % 16
+        cost.observe((rows, 0), 0.010 + 0.001 * rows)
+    assert cost.fit() == pytest.approx((0.010, 0.001, 0.0))
+    for i in range(31):  # faster steps: not yet a quarter of the window
+        cost.observe((2 + i % 16, 0), 0.005 + 0.001 * (2 + i % 16))
+    assert cost.fit() == pytest.approx((0.010, 0.001, 0.0))
+    cost.observe((2, 0), 0.007)
+    assert cost.fit()[0] < 0.0095  # the 32nd: refitted
+    cost.know(1, 0.005)  # the flag never varied: the reshape price measured elsewhere, at once
+    assert cost.fit()[2] == pytest.approx(0.005)
+
+
 def test_linear_cost_with_two_counts_and_no_negative_coefficient():
     cost = LinearCost(num_counts=2, min_samples=4)
     for rows, candidates in ((2, 1), (8, 1), (8, 7), (20, 3), (30, 15)):
@@ -241,6 +258,9 @@ def test_a_smaller_batch_is_priced_on_the_nearest_larger_class_until_it_has_its_
     drafting, whose steps then fit the class's own line), and all its requests draft at once instead of
     one request exploring while the rest draft nothing. A line of its own then takes over."""
     schedule, requests = one_class_line(8, (0.030, 0.001), (8, 16, 24, 32, 40), num_candidates=3)
+    for rows in (1, 2, 3, 4, 5) * 2:  # a line of single requests too: the larger batch's still prices 3
+        schedule.observe_target(rows, 0.010 + 0.005 * rows, num_requests=1)
+    assert schedule.target_cost(1).fit() is not None
     assert schedule.target_cost(3).fit() is None and schedule.target_cost(16).fit() is None
     assert schedule.pricing_line(3) is schedule.target_cost(8)
     assert all(k >= 1 for k in schedule.plan(requests, num_generating=3).values())
