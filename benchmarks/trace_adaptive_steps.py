@@ -72,7 +72,7 @@ def main() -> None:
           {k: _ms(cost.fit()) for k, cost in sorted(schedule.target_costs.items())})
     means = schedule._verify_seconds.get(c, {})
     print(f"row-count means of verifying steps of {c} requests (rows: ms, steps):",
-          {rows: (round(mean * 1000, 1), steps) for rows, (mean, steps, _) in sorted(means.items())})  # fmt: skip
+          {rows: (round(mean * 1000, 1), steps) for rows, (mean, steps, *_) in sorted(means.items())})  # fmt: skip
     for verified, name in ((False, "plain"), (True, "verifying")):
         steps = [t for t in targets if t[2] == verified and t[3] == c]
         if steps:

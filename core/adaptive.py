@@ -12,7 +12,7 @@ per reshape (a step whose rows differ from the previous step's: OpenVINO prepare
 new shape, ~5 ms of a 20 ms step at c=1 on an AVX2 CPU, so a block that changes size every step costs
 more than a steady one; a change of size is charged the reshape spread over the steps a shape has
 lasted lately, `shape_lifetime`), over generation steps of the target that verified candidates; a row
-count already measured (steps that kept their shape) is priced at its own running mean instead, and not
+count already measured (steps that kept their shape) is priced at the median of its latest steps instead, and not
 drafting at the mean of the steps that verified none; D = fixed + per context row + per block row + per candidate
 row, over the draft's steps (a context row only writes the draft's keys and values, a block row
 runs every layer, and a candidate row also runs the vocabulary-wide lm_head, most of a small
@@ -25,9 +25,10 @@ up in one packed pass when it drafts again, a cost charged to its first candidat
 the steps the request can still draft: the catch-up serves them all).
 
 That step-by-step rate is what counts while requests wait for a place in the batch: one that ends early
-hands its place on. In a closed batch (nothing waits) the batch lasts as long as its slowest request,
-and a drafting plan must also finish every running request `closed_min_gain` (5%) sooner than drafting nothing
-(`_finishes_sooner`): each request ends after its remaining tokens over its expected tokens a step (a
+hands its place on. In a closed batch (nothing waits) the batch lasts as long as its slowest request:
+the requests that plan drafts for all draft the same number of candidates, the number that finishes
+every running request soonest, if that is `closed_min_gain` (5%) sooner than drafting nothing
+(`_closed_plan`): each request ends after its remaining tokens over its expected tokens a step (a
 drafting one later by the spread of its accepted lengths, as the latest of the batch would), and each
 stretch between two ends costs a step of the requests still running. A request alone is its own
 batch: the fastest step is the soonest end, and the step's rate decides.
@@ -289,6 +290,17 @@ class AcceptanceCounts:
             q.append(reach)
         return q
 
+    def upper(self, length: int, z: float = 2.0) -> list[float]:
+        """q(0..length-1) at the upper end of what the counts allow: each position's conditional rate
+        (one pseudo-trial each way) plus `z` standard errors, a position without trials at 1."""
+        q, reach = [], 1.0
+        for i in range(length):
+            trials = float(self.reached[i]) if i < len(self.reached) else 0.0
+            rate = (float(self.accepted[i]) + 1.0) / (trials + 2.0) if i < len(self.accepted) else 0.5
+            reach *= min(1.0, rate + z * math.sqrt(rate * (1.0 - rate) / (trials + 2.0)))
+            q.append(reach)
+        return q
+
     @property
     def is_empty(self) -> bool:
         return len(self.drafted) == 0
@@ -303,18 +315,18 @@ def _ratio(prior: Sequence[float], i: int) -> float:
     return min(1.0, prior[i] / prior[i - 1]) if prior[i - 1] > 0 else 0.0
 
 
-def _seconds_to_finish(requests: list[tuple[float, int, float]], plain_seconds, t_row: float, d_fixed: float) -> float:
+def _seconds_to_finish(requests: list[tuple[float, int, float]], target_seconds: Callable[[int, int], float], d_fixed: float) -> float:
     """Seconds until every request ends, each given as (steps to finish, candidates a step, its draft
-    seconds a step): a stretch between two ends costs a plain step of the requests still running
-    (`plain_seconds(number of requests)`), `t_row` per candidate row, and the draft's step (its fixed
-    cost and the drafting requests' rows) while one of them drafts."""
+    seconds a step): a stretch between two ends costs a target step of the requests still running and
+    their candidates (`target_seconds(requests, candidates)`), and the draft's step (its fixed cost and
+    the drafting requests' rows) while one of them drafts."""
     seconds, done, live = 0.0, 0.0, len(requests)
     candidates = sum(k for _, k, _ in requests)
     draft = sum(d for _, _, d in requests)
     drafters = sum(1 for _, k, _ in requests if k)
     for steps, k, d in sorted(requests):
         if steps > done:
-            seconds += (steps - done) * (plain_seconds(live) + t_row * candidates + (d_fixed + draft if drafters else 0.0))
+            seconds += (steps - done) * (target_seconds(live, candidates) + (d_fixed + draft if drafters else 0.0))
             done = steps
         live, candidates, draft, drafters = live - 1, candidates - k, draft - d, drafters - (1 if k else 0)
     return seconds
@@ -338,7 +350,8 @@ def _latest_of(n: int) -> float:
 
 _STATE_VERSION = 1  # of `AdaptiveSchedule.state()`: a state of another version is not restored
 _FADE_EVERY = 8  # steps between two fades of a paused request's evidence
-_MIN_MEASURED = 3  # steps of a row count before their mean replaces the line's price
+_MIN_MEASURED = 3  # steps of a row count before their median replaces the line's price
+_ROW_COUNT_STEPS = 9  # the latest steps of a row count whose median prices it (`_measured_verify_seconds`)
 
 
 def _running_mean(mean: float, steps: int, seconds: float) -> tuple[float, int]:
@@ -408,7 +421,7 @@ class AdaptiveSchedule:
     probe_candidates: int = 2
     probe_budget: float = 0.02  # the share of a paused request's time its probes may lose, on expectation
     min_gain: float = 0.05
-    # how much sooner a drafting plan must finish a closed batch (`_finishes_sooner`); -1: no such rule
+    # how much sooner a drafting plan must finish a closed batch (`_closed_plan`); -1: no such rule
     closed_min_gain: float = 0.05
     # At most this prior strength, requests differ so much (a draft that suits some prompts and fails on
     # others) that a new request's first probe is worth more than its expected loss: it tells a request
@@ -424,10 +437,18 @@ class AdaptiveSchedule:
     # explored (drafting 3 steps in 4) for over a thousand steps
     draft_cost: LinearCost = field(default_factory=lambda: LinearCost(num_counts=3, optional=(0,)))
     shape_window: int = 32  # the latest drafting steps (per batch-size class) that tell how long a shape lasts
-    # A row count's mean (`verify_step_seconds`) not measured again within this many steps that verified
-    # candidates for the same number of requests (as long as the line remembers its steps:
-    # `LinearCost.window`) weighs as if measured only `_MIN_MEASURED` times: its next steps soon outweigh it.
+    # A row count's price (`verify_step_seconds`) not measured again within this many generation steps of
+    # the same number of requests, verifying or not, keeps only `_MIN_MEASURED` - 1 of its steps: its next
+    # steps soon outweigh them.
     mean_lifetime: int = 128
+    # A batch (two requests or more) that has not chosen to draft for `retest_after` steps drafts its best
+    # plan anyway for `retest_steps` steps, if that plan's expected rate is within `retest_margin` of not
+    # drafting (`_retest`); each re-test that does not bring drafting back doubles the wait, up to
+    # `max_retest_after`.
+    retest_after: int = 32
+    max_retest_after: int = 512
+    retest_steps: int = 2
+    retest_margin: float = 0.15
 
     def __post_init__(self) -> None:
         for name in ("probe_after", "max_probe_after"):  # probes of several requests share steps (`_probe`)
@@ -450,9 +471,13 @@ class AdaptiveSchedule:
         # whether each of the two latest plans drafted by choice (not only probes or exploration): the
         # target step observed after a plan was planned by the one before it
         self._chosen: deque[bool] = deque([False, False], maxlen=2)
-        # requests -> rows -> (running mean seconds, steps, when last measured: `_verify_clock`)
-        self._verify_seconds: dict[int, dict[int, tuple[float, int, int]]] = {}
-        self._verify_clock: dict[int, int] = {}  # requests -> steps observed that verified candidates for them
+        # requests -> rows -> (its latest steps as (seconds, the plain step's mean then), when last measured:
+        # `_verify_clock`): `_measured_verify_seconds`
+        self._verify_seconds: dict[int, dict[int, tuple[deque[tuple[float, float]], int]]] = {}
+        self._verify_clock: dict[int, int] = {}  # requests -> generation steps observed for them
+        self._unchosen = 0  # plans in a row that did not choose to draft (`_retest`)
+        self._retest_wait = self.retest_after
+        self._retest_left = 0  # steps of a re-test still to run
         self._seen_shapes: set[tuple[str, int]] = set()  # ("target" | "draft", rows) observed at least once
         # per batch-size class: whether each of the latest steps that verified candidates changed shape
         self._shape_changes: dict[int, deque[bool]] = {}
@@ -481,7 +506,7 @@ class AdaptiveSchedule:
         line through both misjudged both on a CPU where a step of one row per request runs another,
         cheaper kernel than a step of two or more (12 ms for one row, 17 for two, then 2-3 ms a row).
         Steps that verified candidates are also kept per (requests, rows): the line is the price of a row
-        count not measured yet, the running mean the price of one measured (at c=1 on that CPU, 4 rows
+        count not measured yet, the median of its latest steps the price of one measured (at c=1 on that CPU, 4 rows
         19-23 ms and 5 rows 26-31: a line through 2 to 8 rows priced the fifth row as cheap as the third,
         and the schedule drafted 3.3 candidates a step where the constant 3 was faster).
 
@@ -490,17 +515,19 @@ class AdaptiveSchedule:
         if verified_candidates and self._chosen[0]:
             changes = self._shape_changes.setdefault(batch_class(num_requests), deque(maxlen=self.shape_window))
             changes.append(reshaped)
+        # every step of this batch size, verifying or not, ages the row-count means (`_measured_verify_seconds`)
+        clock = self._verify_clock[num_requests] = self._verify_clock.get(num_requests, 0) + 1
         if self._first_of_shape("target", rows):
             return
         if verified_candidates:
             self.target_cost(num_requests).observe((rows, int(reshaped)), seconds)
-            clock = self._verify_clock[num_requests] = self._verify_clock.get(num_requests, 0) + 1
             if not reshaped:
                 by_rows = self._verify_seconds.setdefault(num_requests, {})
-                mean, steps, seen = by_rows.get(rows, (0.0, 0, clock))
+                steps, seen = by_rows.get(rows, (deque(maxlen=_ROW_COUNT_STEPS), clock))
                 if clock - seen > self.mean_lifetime:  # stale (`_measured_verify_seconds`)
-                    steps = min(steps, _MIN_MEASURED)
-                by_rows[rows] = (*_running_mean(mean, steps, seconds), clock)
+                    steps = deque(list(steps)[-(_MIN_MEASURED - 1):], maxlen=_ROW_COUNT_STEPS)
+                steps.append((seconds, self._plain_seconds.get(num_requests, (0.0, 0))[0]))
+                by_rows[rows] = (steps, clock)
             return
         means = self._plain_reshaped_seconds if reshaped else self._plain_seconds
         means[rows] = _running_mean(*means.get(rows, (0.0, 0)), seconds)
@@ -568,19 +595,35 @@ class AdaptiveSchedule:
         return (self.pricing_line(num_requests) or self.target_cost(num_requests)).seconds(rows, 0)
 
     def _measured_verify_seconds(self, num_requests: int) -> dict[int, float]:
-        """rows -> mean seconds, of the row counts measured `_MIN_MEASURED` times for `num_requests` requests.
+        """rows -> seconds, of the row counts measured `_MIN_MEASURED` times for `num_requests` requests:
+        the median of their latest `_ROW_COUNT_STEPS` steps, each priced relative to the plain step.
 
-        A mean is a running mean (recent steps weigh more), and one not measured again within the latest
-        `mean_lifetime` steps that verified candidates for these requests weighs, at its next step, as if
-        measured only `_MIN_MEASURED` times. On a 2-core VM whose speed moves up to 30% between minutes, a
-        mean kept from a fast minute (or a schedule memory) priced 57-row steps at c=8 cheap, which then took
-        63-76 ms where the constant 3's 32 rows took 33; weighing each new step a tenth, it needs about ten
-        of them to catch up. A stale mean still prices its row count until measured again (it is not
-        dropped for the line: on an AVX2 CPU at c=1, where a step of 1-4 rows costs 23-29 ms and 5-8 rows 38-72, the line through them
-        read 0 ms + 9.5 ms a row and priced 4 rows at 38 ms, which then were never chosen again). A mean
-        measured on a slow streak that is never chosen again stays as it is: the cautious side."""
+        A median, not a mean: one step in ten of a row count runs 1.5-2x its median on a 2-core VM (24 rows
+        at c=8 on a Zen 4 EPYC: median 26 ms, mean 30, slowest 50), and a running mean of the few steps of
+        a row count drafted now and then kept such a step for a long time (24 rows priced at 42 ms).
+
+        Relative to the plain step: each step is priced times the plain step's mean now over its mean when
+        the step ran (within half to twice). The machine's speed moves all steps alike, and a batch that
+        stopped drafting measures only plain steps: on that EPYC at c=8 the plain step read 15.5-24 ms
+        within one run, so a row count measured in a slow stretch made drafting, which paid, look a loss.
+
+        A row count not measured again within the latest `mean_lifetime` generation steps of these requests
+        (verifying candidates or not: a batch that stopped drafting ages them, so a re-test (`_retest`)
+        takes them up again) keeps, at its next step, only its `_MIN_MEASURED` - 1 latest steps: its next
+        steps soon outweigh them. On a 2-core VM whose speed moves up to 30% between minutes, a price kept
+        from a fast minute (or a schedule memory) priced 57-row steps at c=8 cheap, which then took 63-76
+        ms where the constant 3's 32 rows took 33. A stale price still prices its row count until measured
+        again (it is not dropped for the line: on an AVX2 CPU at c=1, where a step of 1-4 rows costs 23-29
+        ms and 5-8 rows 38-72, the line through them read 0 ms + 9.5 ms a row and priced 4 rows at 38 ms,
+        which then were never chosen again)."""
         by_rows = self._verify_seconds.get(num_requests, {})
-        return {rows: mean for rows, (mean, steps, _) in by_rows.items() if steps >= _MIN_MEASURED}
+        plain_now = self._plain_seconds.get(num_requests, (0.0, 0))[0]
+
+        def now(seconds: float, plain_then: float) -> float:
+            return seconds * min(max(plain_now / plain_then, 0.5), 2.0) if plain_now > 0 and plain_then > 0 else seconds
+
+        return {rows: _median(np.array([now(*step) for step in steps]))
+                for rows, (steps, _) in by_rows.items() if len(steps) >= _MIN_MEASURED}  # fmt: skip
 
     def reshape_seconds(self, num_requests: int = 1) -> float:
         """What a target step pays for rows that differ from the previous step's (as of the latest fit)."""
@@ -651,7 +694,8 @@ class AdaptiveSchedule:
             "draft_cost": self.draft_cost.state(),
             "target_costs": {str(k): cost.state() for k, cost in self.target_costs.items()},
             "plain_seconds": {str(rows): list(mean) for rows, mean in self._plain_seconds.items()},
-            "verify_seconds": {str(n): {str(rows): [mean, steps] for rows, (mean, steps, _) in by_rows.items()}
+            "verify_seconds": {str(n): {str(rows): [_median(np.array([seconds for seconds, _ in steps])), len(steps)]
+                                        for rows, (steps, _) in by_rows.items()}
                                for n, by_rows in self._verify_seconds.items()},  # fmt: skip
             "shape_changes": {str(k): [int(changed) for changed in v] for k, v in self._shape_changes.items()},
             "acceptance": {name: getattr(self.engine_wide, name).tolist() for name in ("drafted", "reached", "accepted")},
@@ -694,9 +738,10 @@ class AdaptiveSchedule:
         self.target_costs.update(lines)
         self._plain_seconds.update(plain)
         for n, by_rows in verify.items():  # as if measured just now, just often enough: new steps soon outweigh them
-            clock = self._verify_clock.get(n, 0)
+            clock, plain_then = self._verify_clock.get(n, 0), self._plain_seconds.get(n, (0.0, 0))[0]
             self._verify_seconds.setdefault(n, {}).update(
-                {rows: (mean, min(steps, _MIN_MEASURED), clock) for rows, (mean, steps) in by_rows.items()})
+                {rows: (deque([(mean, plain_then)] * min(steps, _MIN_MEASURED), maxlen=_ROW_COUNT_STEPS), clock)
+                 for rows, (mean, steps) in by_rows.items()})  # fmt: skip
         for k, v in changes.items():
             self._shape_changes.setdefault(k, deque(maxlen=self.shape_window)).extend(v)
         self._finished.extend(finished)
@@ -723,7 +768,7 @@ class AdaptiveSchedule:
         last_rows: the rows of the target step that just ran: a next step of other rows pays the reshape
             (None: unknown, no option is charged for it).
         closed: no request waits for a place in the batch: the running requests are all there is to
-            finish, and a drafting plan must also finish them sooner (`_finishes_sooner`).
+            finish, and a drafting plan must also finish them sooner (`_closed_plan`).
         """
         self._num_steps += 1
         chosen = False  # drafting by choice (`_best`), not only probes or exploration (`shape_lifetime`)
@@ -741,9 +786,11 @@ class AdaptiveSchedule:
                 ks = dict.fromkeys((c.req_id for c in candidates), 0)
                 ks[candidates[0].req_id] = self._explore(candidates[0].cap, num_generating)
             else:
-                if closed and num_generating > 1 and any(ks.values()) and not self._finishes_sooner(candidates, ks, num_generating, candidate_offset):  # fmt: skip
-                    ks = dict.fromkeys(ks, 0)
+                if closed and num_generating > 1 and any(ks.values()) and self.closed_min_gain >= 0:
+                    ks = self._closed_plan(candidates, ks, num_generating, candidate_offset)
                 chosen = any(ks.values())
+                if not chosen and num_generating > 1:
+                    ks = self._retest(candidates, num_generating, candidate_offset, other_draft_rows, last_rows)
 
                 def could_pay(req_id: str) -> bool:  # would it draft if its draft accepted everything?
                     best = self._best(candidates, num_generating, candidate_offset, other_draft_rows, last_rows, certain=req_id)
@@ -751,6 +798,8 @@ class AdaptiveSchedule:
 
                 self._probe(candidates, ks, num_generating, candidate_offset, could_pay)
         self._chosen.append(chosen)
+        if chosen:
+            self._unchosen, self._retest_wait = 0, self.retest_after
         for c in candidates:
             state = self._state(c.req_id)
             state.steps_without = 0 if ks[c.req_id] else state.steps_without + 1
@@ -809,11 +858,15 @@ class AdaptiveSchedule:
         return min(max(mean * (1 - mean) / spread - 1, self.min_prior_strength), 4 * self.prior_weight)
 
     def _best(self, candidates: Sequence[Candidate], num_generating: int, offset: int,
-              other_draft_rows: tuple[int, int, int], last_rows: int | None, certain: str | None = None) -> dict[str, int]:  # fmt: skip
+              other_draft_rows: tuple[int, int, int], last_rows: int | None, certain: str | None = None,
+              min_gain: float | None = None, every: Sequence[float] | None = None) -> dict[str, int]:  # fmt: skip
         """The plan of the highest expected tokens per second (see the module's docstring); `certain`: a
-        request whose candidates are taken as all accepted (q = 1 at every position: `_probe` asks)."""
+        request whose candidates are taken as all accepted (q = 1 at every position: `_probe` asks);
+        `min_gain`: instead of `self.min_gain` (negative: a plan that may be that much slower); `every`: q
+        of every request instead of its own estimate (`_retest`)."""
         ks = {c.req_id: 0 for c in candidates}
-        estimates = [([1.0] * c.cap if c.req_id == certain else self.estimate(c.req_id, c.cap), c) for c in candidates]
+        estimates = [([1.0] * c.cap if c.req_id == certain else list(every[: c.cap]) if every is not None
+                      else self.estimate(c.req_id, c.cap), c) for c in candidates]  # fmt: skip
         top = max(q[0] if q else 0.0 for q, _ in estimates)
         steady = last_rows if last_rows is not None else 0  # below this many rows, a slot may save the reshape
         if top <= 0 and num_generating >= steady:
@@ -846,7 +899,8 @@ class AdaptiveSchedule:
         # estimates are noisy, and a wrong "draft" costs more than a wrong "wait" (probes correct that).
         # Stopping is not charged the reshape: it is paid once, and every later step without candidates
         # is cheaper (charged, a batch that drafted kept drafting where it did not pay: c=8, 0.89x).
-        best_rate = num_generating / (self.plain_step_seconds(num_generating) + runs_anyway) * (1 + self.min_gain)
+        gain = self.min_gain if min_gain is None else min_gain
+        best_rate = num_generating / (self.plain_step_seconds(num_generating) + runs_anyway) * (1 + gain)
         if cheapest > 0 and top / cheapest <= best_rate and num_generating >= steady:
             return ks  # not even the likeliest candidate pays (most steps of a paused batch): no sort
         catch_up = {c.req_id: c.catch_up_rows(q) for q, c in estimates}
@@ -871,8 +925,64 @@ class AdaptiveSchedule:
             ks[c.req_id] += 1
         return ks
 
-    def _finishes_sooner(self, candidates: Sequence[Candidate], ks: dict[str, int], num_generating: int, offset: int) -> bool:
-        """Whether drafting `ks` from now on finishes every running request sooner than drafting nothing.
+    def _retest(self, candidates: Sequence[Candidate], num_generating: int, offset: int,
+                other_draft_rows: tuple[int, int, int], last_rows: int | None) -> dict[str, int]:
+        """The plan of a batch that has not chosen to draft for a while: drafting nothing, or, once a
+        re-test falls due, its best drafting plan for `retest_steps` steps, if that plan is expected to run
+        within `retest_margin` of not drafting.
+
+        A batch that stops drafting measures nothing that could start it again: its acceptance estimates
+        and the prices of its drafting steps stay what they were when it stopped, and a probe (one request's
+        candidates) is priced out where a request's first candidate moves the whole batch off the one-row
+        kernel (at c=8 on a Zen 4 EPYC: 8 rows 15-17 ms a step, 24-32 rows 33-35 ms). Measured there: a
+        batch of HumanEval prompts kept estimates of 0.74 0.44 0.29 and 39.5 ms for 24 rows, taken in a slow
+        stretch, while drafting accepted 0.81 0.63 0.50 and 24 rows took 35 ms; it drafted nothing for whole
+        waves (0.93-0.97x the target alone) where 3 candidates a request ran 1.08-1.17x. A re-test drafts the
+        batch's whole plan, so every request's candidates and the step's rows are measured together; the
+        row-count means it re-measures have aged meanwhile (`mean_lifetime`) and follow it quickly.
+
+        The plan is made with every request at the upper end of what the engine-wide counts allow
+        (`AcceptanceCounts.upper`): the estimate that stopped the batch is the one in doubt (a c=2 warm-up
+        of two prompts left 0.51 0.31 0.19, and the c=8 waves after it never drafted again). A plan expected
+        to lose more than the margin even so is not re-tested (a draft known to accept nothing, a batch
+        whose rows cost as much as its tokens), and each re-test that does not bring drafting back doubles
+        the wait."""
+        no = dict.fromkeys((c.req_id for c in candidates), 0)
+        if self._retest_left == 0:
+            self._unchosen += 1
+            if self._unchosen < self._retest_wait:
+                return no
+            self._unchosen, self._retest_left = 0, self.retest_steps
+            self._retest_wait = min(2 * self._retest_wait, self.max_retest_after)  # reset once drafting is chosen
+        self._retest_left -= 1
+        upper = self.engine_wide.upper(max(c.cap for c in candidates))
+        return self._best(candidates, num_generating, offset, other_draft_rows, last_rows, min_gain=-self.retest_margin, every=upper)
+
+    def _closed_plan(self, candidates: Sequence[Candidate], ks: dict[str, int], num_generating: int, offset: int) -> dict[str, int]:
+        """The plan of a closed batch: the requests `_best` drafts for all draft the same number of
+        candidates (their caps allowing), the number that finishes every running request soonest, if that
+        is `closed_min_gain` sooner than drafting nothing (`_seconds_if_sooner`); else none draft.
+
+        `_best` gives the candidates to the requests that accept most, which end first anyway; in a closed
+        batch the slowest request sets the end. Measured at c=8 on HumanEval (Zen 4 EPYC, 2 cores): with
+        `_best`'s own plans (18-56 candidates a step, drafting in 93% of request steps) a wave took 502 steps
+        of 8 waves where 3 candidates for every request took 438, and ran 1.02-1.04x the target alone
+        against 1.14-1.17x."""
+        drafting = [c for c in candidates if ks[c.req_id]]
+        best, best_seconds = dict.fromkeys(ks, 0), math.inf
+        for k in range(1, max(c.cap for c in drafting) + 1):
+            plan = dict.fromkeys(ks, 0)
+            plan.update((c.req_id, min(k, c.cap)) for c in drafting)
+            seconds = self._seconds_if_sooner(candidates, plan, num_generating, offset)
+            if seconds is None:
+                return ks  # nothing tells how long the batch lasts: the step's gain decides alone
+            if seconds < best_seconds:
+                best, best_seconds = plan, seconds
+        return best
+
+    def _seconds_if_sooner(self, candidates: Sequence[Candidate], ks: dict[str, int], num_generating: int, offset: int) -> float | None:
+        """The seconds to finish every running request drafting `ks` from now on, if that is
+        `closed_min_gain` sooner than drafting nothing (else inf); None where no request's length is known.
 
         `_best` maximizes the tokens per second of one step, which is what counts while requests wait
         for a place: one that ends early hands its place to the next. In a closed batch nobody takes
@@ -884,8 +994,12 @@ class AdaptiveSchedule:
 
         The time to finish, either way, keeping the plan: requests end after remaining / tokens-per-step
         steps (requests not among `candidates`, and candidates of unknown length, after the longest
-        known), and each stretch between two ends costs a step of the requests still running (the plain
-        step's price, the line's slope per candidate row, the draft's step while one of them drafts).
+        known), and each stretch between two ends costs a step of the requests still running (the whole
+        batch's rows at their measured mean, as `_best` prices them; fewer requests at the plain step's
+        price and the line's slope per candidate row; the draft's step while one of them drafts). With the
+        line's slope for the whole batch too, a line of fixed 0 and 1.28 ms a row (its steps mostly of a
+        few candidates, each paying the jump off the one-row kernel) priced 8 requests and 16 candidates at
+        38.5 ms where they measured 30.5, and blocked drafting that paid.
 
         A drafting request's tokens a step vary (its accepted length is random), so some of the batch end
         later than their mean: each is charged the spread of its steps to finish times what the latest of
@@ -895,7 +1009,7 @@ class AdaptiveSchedule:
         (0.94x the target alone in that run)."""
         known = [c.num_remaining_tokens for c in candidates if c.num_remaining_tokens > 0]
         if not known:
-            return True  # nothing tells how long the batch lasts: the step's gain decides alone
+            return None
         longest = max(known)
         line = self.pricing_line(num_generating)  # a smaller batch's class may have no line yet: this one prices it
         _, t_row, _ = line.fit()
@@ -917,11 +1031,19 @@ class AdaptiveSchedule:
                 drafting.append((remaining, 0, 0.0))
         others = [(longest, 0, 0.0)] * max(num_generating - len(candidates), 0)
 
-        def plain_seconds(num_requests: int) -> float:
-            return self.plain_step_seconds(num_requests, line)
+        measured = self._measured_verify_seconds(num_generating)
 
-        with_plan = catch_up + _seconds_to_finish(drafting + others, plain_seconds, t_row, d_fixed)
-        return with_plan * (1 + self.closed_min_gain) < _seconds_to_finish(plain + others, plain_seconds, t_row, d_fixed)
+        def target_seconds(num_requests: int, num_candidates: int) -> float:
+            # the whole batch's rows at their measured mean where there is one (as `_best` prices them);
+            # else a plain step of these requests and the line's slope per candidate row
+            rows = num_requests + num_candidates
+            if num_candidates and num_requests == num_generating and rows in measured:
+                return measured[rows]
+            return self.plain_step_seconds(num_requests, line) + t_row * num_candidates
+
+        with_plan = catch_up + _seconds_to_finish(drafting + others, target_seconds, d_fixed)
+        sooner = with_plan * (1 + self.closed_min_gain) < _seconds_to_finish(plain + others, target_seconds, d_fixed)
+        return with_plan if sooner else math.inf
 
     def _probe(self, candidates: Sequence[Candidate], ks: dict[str, int], num_generating: int, offset: int,
                could_pay: Callable[[str], bool]) -> None:  # fmt: skip
