@@ -66,6 +66,7 @@ one took 25-35, in every round of a benchmark (the class gathered varied steps s
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -173,9 +174,10 @@ class LinearCost:
 
     def seconds(self, *counts: int) -> float:
         """Predicted seconds (as of the latest fit())."""
-        if self._fit is None:
+        fit = self._fit_tuple  # plain floats: a plan prices a few dozen steps, where numpy's overhead is most of it
+        if fit is None:
             return 0.0
-        return float(self._fit[0] + self._fit[1:] @ np.asarray(counts, dtype=np.float64))
+        return fit[0] + sum(c * x for c, x in zip(fit[1:], counts))
 
 
 def _robust_fit(counts: np.ndarray, seconds: np.ndarray) -> np.ndarray:
@@ -342,6 +344,7 @@ def _steps_spread(q: Sequence[float], remaining: float) -> float:
     return math.sqrt(max(variance, 0.0) * remaining / (1.0 + mean) ** 3)
 
 
+@functools.cache
 def _latest_of(n: int) -> float:
     """About how many standard deviations above the mean the latest of n like requests ends: the
     expected maximum of n standard normals (Blom's approximation; 0 for one request)."""
@@ -960,29 +963,32 @@ class AdaptiveSchedule:
 
     def _closed_plan(self, candidates: Sequence[Candidate], ks: dict[str, int], num_generating: int, offset: int) -> dict[str, int]:
         """The plan of a closed batch: the requests `_best` drafts for all draft the same number of
-        candidates (their caps allowing), the number that finishes every running request soonest, if that
-        is `closed_min_gain` sooner than drafting nothing (`_seconds_if_sooner`); else none draft.
+        candidates (their caps allowing), the number that finishes every running request soonest
+        (`_closed_finish`), if that is `closed_min_gain` sooner than drafting nothing; else none draft.
 
         `_best` gives the candidates to the requests that accept most, which end first anyway; in a closed
         batch the slowest request sets the end. Measured at c=8 on HumanEval (Zen 4 EPYC, 2 cores): with
         `_best`'s own plans (18-56 candidates a step, drafting in 93% of request steps) a wave took 502 steps
         of 8 waves where 3 candidates for every request took 438, and ran 1.02-1.04x the target alone
         against 1.14-1.17x."""
+        finish = self._closed_finish(candidates, num_generating, offset)
+        if finish is None:
+            return ks  # nothing tells how long the batch lasts: the step's gain decides alone
         drafting = [c for c in candidates if ks[c.req_id]]
-        best, best_seconds = dict.fromkeys(ks, 0), math.inf
+        best = dict.fromkeys(ks, 0)
+        best_seconds = finish(best) / (1 + self.closed_min_gain)
         for k in range(1, max(c.cap for c in drafting) + 1):
             plan = dict.fromkeys(ks, 0)
             plan.update((c.req_id, min(k, c.cap)) for c in drafting)
-            seconds = self._seconds_if_sooner(candidates, plan, num_generating, offset)
-            if seconds is None:
-                return ks  # nothing tells how long the batch lasts: the step's gain decides alone
+            seconds = finish(plan)
             if seconds < best_seconds:
                 best, best_seconds = plan, seconds
         return best
 
-    def _seconds_if_sooner(self, candidates: Sequence[Candidate], ks: dict[str, int], num_generating: int, offset: int) -> float | None:
-        """The seconds to finish every running request drafting `ks` from now on, if that is
-        `closed_min_gain` sooner than drafting nothing (else inf); None where no request's length is known.
+    def _closed_finish(self, candidates: Sequence[Candidate], num_generating: int,
+                       offset: int) -> Callable[[dict[str, int]], float] | None:  # fmt: skip
+        """How long the running requests take to finish, all of them, drafting a plan from now on: a
+        function of the plan (candidates per request); None where no request's length is known.
 
         `_best` maximizes the tokens per second of one step, which is what counts while requests wait
         for a place: one that ends early hands its place to the next. In a closed batch nobody takes
@@ -992,14 +998,14 @@ class AdaptiveSchedule:
         ran 0.93x the target alone: the requests that drafted ended early, and the rest ran on in
         steps of fewer requests (2.5-4 s of a 25 s round).
 
-        The time to finish, either way, keeping the plan: requests end after remaining / tokens-per-step
-        steps (requests not among `candidates`, and candidates of unknown length, after the longest
-        known), and each stretch between two ends costs a step of the requests still running (the whole
-        batch's rows at their measured mean, as `_best` prices them; fewer requests at the plain step's
-        price and the line's slope per candidate row; the draft's step while one of them drafts). With the
-        line's slope for the whole batch too, a line of fixed 0 and 1.28 ms a row (its steps mostly of a
-        few candidates, each paying the jump off the one-row kernel) priced 8 requests and 16 candidates at
-        38.5 ms where they measured 30.5, and blocked drafting that paid.
+        Requests end after remaining / tokens-per-step steps (requests not among `candidates`, and
+        candidates of unknown length, after the longest known), and each stretch between two ends costs a
+        step of the requests still running (the whole batch's rows at their measured price, as `_best`
+        prices them; fewer requests at the plain step's price and the line's slope per candidate row; the
+        draft's step while one of them drafts). With the line's slope for the whole batch too, a line of
+        fixed 0 and 1.28 ms a row (its steps mostly of a few candidates, each paying the jump off the
+        one-row kernel) priced 8 requests and 16 candidates at 38.5 ms where they measured 30.5, and
+        blocked drafting that paid.
 
         A drafting request's tokens a step vary (its accepted length is random), so some of the batch end
         later than their mean: each is charged the spread of its steps to finish times what the latest of
@@ -1014,36 +1020,33 @@ class AdaptiveSchedule:
         line = self.pricing_line(num_generating)  # a smaller batch's class may have no line yet: this one prices it
         _, t_row, _ = line.fit()
         d_fixed, d_context, d_block, d_candidate = self.draft_cost.fit()
-        # per request, without drafting and with the plan: (steps to finish, candidates a step, its draft seconds a step)
-        plain, drafting, catch_up = [], [], 0.0
         latest = _latest_of(num_generating)
-        for c in candidates:
-            remaining = c.num_remaining_tokens or longest
-            plain.append((remaining, 0, 0.0))
-            k = ks[c.req_id]
-            if k:
-                q = self.estimate(c.req_id, c.cap)[:k]
-                tokens = 1.0 + sum(q)  # also the committed rows it reads next
-                steps = remaining / tokens + latest * _steps_spread(q, remaining)
-                drafting.append((steps, k, d_context * tokens + d_block * (k + offset) + d_candidate * k))
-                catch_up += d_context * c.num_pending_rows
-            else:
-                drafting.append((remaining, 0, 0.0))
         others = [(longest, 0, 0.0)] * max(num_generating - len(candidates), 0)
-
         measured = self._measured_verify_seconds(num_generating)
+        plain_seconds = {n: self.plain_step_seconds(n, line) for n in range(1, num_generating + 1)}
 
         def target_seconds(num_requests: int, num_candidates: int) -> float:
-            # the whole batch's rows at their measured mean where there is one (as `_best` prices them);
-            # else a plain step of these requests and the line's slope per candidate row
             rows = num_requests + num_candidates
             if num_candidates and num_requests == num_generating and rows in measured:
                 return measured[rows]
-            return self.plain_step_seconds(num_requests, line) + t_row * num_candidates
+            return plain_seconds[num_requests] + t_row * num_candidates
 
-        with_plan = catch_up + _seconds_to_finish(drafting + others, target_seconds, d_fixed)
-        sooner = with_plan * (1 + self.closed_min_gain) < _seconds_to_finish(plain + others, target_seconds, d_fixed)
-        return with_plan if sooner else math.inf
+        def finish(ks: dict[str, int]) -> float:
+            # per request: (steps to finish, candidates a step, its draft seconds a step)
+            requests, catch_up = [], 0.0
+            for c in candidates:
+                remaining, k = c.num_remaining_tokens or longest, ks[c.req_id]
+                if k:
+                    q = self.estimate(c.req_id, c.cap)[:k]
+                    tokens = 1.0 + sum(q)  # also the committed rows it reads next
+                    steps = remaining / tokens + latest * _steps_spread(q, remaining)
+                    requests.append((steps, k, d_context * tokens + d_block * (k + offset) + d_candidate * k))
+                    catch_up += d_context * c.num_pending_rows
+                else:
+                    requests.append((remaining, 0, 0.0))
+            return catch_up + _seconds_to_finish(requests + others, target_seconds, d_fixed)
+
+        return finish
 
     def _probe(self, candidates: Sequence[Candidate], ks: dict[str, int], num_generating: int, offset: int,
                could_pay: Callable[[str], bool]) -> None:  # fmt: skip
