@@ -48,7 +48,10 @@ the wait (up to `max_probe_after`); a probe whose expected loss (its rows and dr
 tokens it is expected to find) exceeds `probe_budget` of the request's time waits longer, and one whose
 request would not draft even if its draft accepted everything (rows as dear as tokens) is skipped. Waits are
 powers of two counted in engine steps, so the probes of several requests fall on the same steps and
-share one draft inference.
+share one draft inference. A batch of two or more that has not chosen to draft for a while drafts its
+whole plan for two steps (`_retest`), priced at the top of what the engine-wide acceptance allows: where
+one request's candidates move the whole batch onto a dearer kernel, a probe is priced out, and the batch's
+estimates and prices would otherwise stay where they stopped.
 
 Until both lines are fitted (`min_steps` varied steps each) the schedule explores: the whole block,
 half of it, one candidate and none twice, step by step (a step without candidates right after one with
@@ -518,7 +521,7 @@ class AdaptiveSchedule:
         if verified_candidates and self._chosen[0]:
             changes = self._shape_changes.setdefault(batch_class(num_requests), deque(maxlen=self.shape_window))
             changes.append(reshaped)
-        # every step of this batch size, verifying or not, ages the row-count means (`_measured_verify_seconds`)
+        # every step of this batch size, verifying or not, ages the row-count prices (`_measured_verify_seconds`)
         clock = self._verify_clock[num_requests] = self._verify_clock.get(num_requests, 0) + 1
         if self._first_of_shape("target", rows):
             return
@@ -801,8 +804,8 @@ class AdaptiveSchedule:
 
                 self._probe(candidates, ks, num_generating, candidate_offset, could_pay)
         self._chosen.append(chosen)
-        if chosen:
-            self._unchosen, self._retest_wait = 0, self.retest_after
+        if chosen:  # a re-test is over once the batch chooses to draft
+            self._unchosen, self._retest_wait, self._retest_left = 0, self.retest_after, 0
         for c in candidates:
             state = self._state(c.req_id)
             state.steps_without = 0 if ks[c.req_id] else state.steps_without + 1
@@ -942,7 +945,7 @@ class AdaptiveSchedule:
         stretch, while drafting accepted 0.81 0.63 0.50 and 24 rows took 35 ms; it drafted nothing for whole
         waves (0.93-0.97x the target alone) where 3 candidates a request ran 1.08-1.17x. A re-test drafts the
         batch's whole plan, so every request's candidates and the step's rows are measured together; the
-        row-count means it re-measures have aged meanwhile (`mean_lifetime`) and follow it quickly.
+        row-count prices it measures again have aged meanwhile (`mean_lifetime`) and follow it quickly.
 
         The plan is made with every request at the upper end of what the engine-wide counts allow
         (`AcceptanceCounts.upper`): the estimate that stopped the batch is the one in doubt (a c=2 warm-up
