@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import functools
 import math
+import statistics
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -628,7 +629,7 @@ class AdaptiveSchedule:
         def now(seconds: float, plain_then: float) -> float:
             return seconds * min(max(plain_now / plain_then, 0.5), 2.0) if plain_now > 0 and plain_then > 0 else seconds
 
-        return {rows: _median(np.array([now(*step) for step in steps]))
+        return {rows: statistics.median([now(*step) for step in steps])
                 for rows, (steps, _) in by_rows.items() if len(steps) >= _MIN_MEASURED}  # fmt: skip
 
     def reshape_seconds(self, num_requests: int = 1) -> float:
@@ -700,7 +701,7 @@ class AdaptiveSchedule:
             "draft_cost": self.draft_cost.state(),
             "target_costs": {str(k): cost.state() for k, cost in self.target_costs.items()},
             "plain_seconds": {str(rows): list(mean) for rows, mean in self._plain_seconds.items()},
-            "verify_seconds": {str(n): {str(rows): [_median(np.array([seconds for seconds, _ in steps])), len(steps)]
+            "verify_seconds": {str(n): {str(rows): [statistics.median([seconds for seconds, _ in steps]), len(steps)]
                                         for rows, (steps, _) in by_rows.items()}
                                for n, by_rows in self._verify_seconds.items()},  # fmt: skip
             "shape_changes": {str(k): [int(changed) for changed in v] for k, v in self._shape_changes.items()},

@@ -804,7 +804,7 @@ def test_a_closed_batch_drafts_the_same_block_for_every_request_it_drafts_for():
     assert closed_plan["good"] == closed_plan["fair"] > open_plan["fair"]
 
 
-def test_a_closed_batch_prices_the_whole_batch_s_rows_at_their_measured_mean():
+def test_a_closed_batch_prices_the_whole_batch_s_rows_at_their_measured_price():
     """A line of steep slope and no fixed cost (its steps a few candidates each, every one paying the
     jump off the one-row kernel) against a measured mean of 32 rows at 30 ms: priced on the line, 8
     requests and 24 candidates cost 64 ms a step, and the closed batch would not draft; at the mean it
@@ -826,7 +826,7 @@ def test_a_closed_batch_prices_the_whole_batch_s_rows_at_their_measured_mean():
     assert schedule.plan(requests, num_generating=8, last_rows=32, closed=True) == dict.fromkeys((c.req_id for c in requests), 3)
 
 
-def test_a_row_count_mean_moves_with_the_plain_step_measured_since():
+def test_a_row_count_price_moves_with_the_plain_step_measured_since():
     """24 rows measured at 20 ms while a plain step took 10; the machine then slows by half (plain steps
     of 15 ms, nothing drafted): 24 rows are priced at 30 ms, as the same machine now runs them. The
     factor stays within half to twice."""
