@@ -70,9 +70,10 @@ def main() -> None:
     print("fits: draft (fixed, context, block, candidate) =", _ms(schedule.draft_cost.fit()),
           "; target by batch class (fixed, row, reshape) =",
           {k: _ms(cost.fit()) for k, cost in sorted(schedule.target_costs.items())})
-    means = schedule._verify_seconds.get(c, {})
-    print(f"row-count means of verifying steps of {c} requests (rows: ms, steps):",
-          {rows: (round(mean * 1000, 1), steps) for rows, (mean, steps, *_) in sorted(means.items())})  # fmt: skip
+    prices = schedule._measured_verify_seconds(c)
+    kept = schedule._verify_seconds.get(c, {})
+    print(f"row-count prices of verifying steps of {c} requests (rows: ms, steps kept):",
+          {rows: (round(prices[rows] * 1000, 1), len(kept[rows][0])) for rows in sorted(prices)})
     for verified, name in ((False, "plain"), (True, "verifying")):
         steps = [t for t in targets if t[2] == verified and t[3] == c]
         if steps:
