@@ -84,9 +84,12 @@ def _default_target(output: Output) -> Path:
     """The embedded SmolLM2 target as a Hugging Face folder in the cache (materialized from the GGUF once)."""
     from dflash.exporters.default_pair import cache_dir
     from dflash.exporters.smollm2 import materialize_smollm2
+    from dflash.exporters.staging import quiet_libraries
 
     folder = cache_dir() / "default" / "smollm2-135m-instruct-hf"
-    with output.status(f"Materializing SmolLM2-135M-Instruct into {folder} (once)"):
+    # quiet_libraries: transformers' GGUF conversion, weight-loading and shard-writing bars went to stderr
+    # under --json and -q too
+    with output.status(f"Materializing SmolLM2-135M-Instruct into {folder} (once)"), quiet_libraries():
         return materialize_smollm2(folder)
 
 

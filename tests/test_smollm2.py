@@ -140,6 +140,20 @@ def test_materialize_again_reuses_the_folder(hf_dir):
     assert weights.stat().st_mtime_ns == before
 
 
+def test_eval_drafts_first_use_materializes_without_other_libraries_bars(tmp_path, monkeypatch, capsys):
+    # `dflash eval-draft --json` (or -q) on a fresh cache: transformers' "Converting and de-quantizing GGUF
+    # tensors", "Loading weights" and "Writing model shards" bars went to stderr.
+    from dflash.cli._output import Output
+    from dflash.cli.eval_draft import _default_target
+
+    monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path))
+    folder = _default_target(Output(json_mode=True))
+    assert (folder / "model.safetensors").is_file()
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == ""
+
+
 def test_materialize_refuses_a_foreign_folder(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(InputError, match="not empty"):
