@@ -191,6 +191,38 @@ def test_the_exported_head_runs_in_numpy_and_a_head_built_otherwise_compiled(ran
     np.testing.assert_allclose(other.markov_bias(prev, columns), want_bias[:, columns], rtol=1e-6, atol=1e-6)
 
 
+def test_kept_bias_rows_equal_the_product_and_stay_within_their_budget(random_pair, monkeypatch):
+    # The dense walk's bias rows of recent tokens are kept (`markov.BIAS_CACHE_BYTES`): every call returns
+    # W2 . W1[prev] as if computed afresh, a caller that adds into it leaves the kept rows alone, and at
+    # most the budget's rows stay kept, even where one call needs more rows than that.
+    from dflash.core import markov
+
+    monkeypatch.setattr(markov, "BIAS_CACHE_BYTES", 4 * 4 * 3)  # 4 rows of 3 columns
+    head = MarkovHeadRunner(random_pair.draft_dir / MARKOV_HEAD_FILE, ov_config=F32)
+    w1, w2 = random_pair.w1, random_pair.w2
+    t = np.flatnonzero(np.abs(w1).sum(axis=1) > 0)[:8]  # tokens whose bias is not all zero
+    assert len(t) == 8
+    columns = np.array([3, 500, 17])
+
+    def want(prev, cols=columns):
+        return w1[prev] @ w2[cols].T
+
+    for prev in ([t[0], t[0], t[1]], [t[1], t[2]], t[2:8], [t[0], t[1]]):  # repeats, 6 rows > 4, evictions
+        prev = np.array(prev, dtype=np.int64)
+        bias = head.markov_bias(prev, columns)
+        np.testing.assert_allclose(bias, want(prev), rtol=1e-6, atol=1e-6)
+        bias += 100.0  # as the walk adds the base logits
+        assert len(head._bias_rows) <= 4
+    assert list(head._bias_rows) == [t[6], t[7], t[0], t[1]]  # least recently used first
+    for _ in range(2):  # a one-row call too hands out a copy
+        bias = head.markov_bias(t[:1], columns)
+        np.testing.assert_allclose(bias, want(t[:1]), rtol=1e-6, atol=1e-6)
+        bias += 100.0
+    other = np.array([1, 2, 3])  # another draft vocabulary: none of the kept rows is reused
+    np.testing.assert_allclose(head.markov_bias(t[:1], other), want(t[:1], other), rtol=1e-6, atol=1e-6)
+    assert head.markov_bias(np.zeros(0, dtype=np.int64), other).shape == (0, 3)
+
+
 # ---- the walks -----------------------------------------------------------------------------------------
 
 
