@@ -135,7 +135,7 @@ class MarkovHeadRunner:
         missing = [t for t in dict.fromkeys(tokens) if t not in rows]
         if missing:
             for token, row in zip(missing, w1[missing] @ self._w2t[1]):
-                rows[token] = row
+                rows[token] = row.copy()  # a view would keep the whole product alive while one row is kept
         bias = np.stack([rows[t] for t in tokens]) if tokens else np.zeros((0, self._w2t[1].shape[1]), np.float32)
         for token in tokens:  # a copy above: the walk adds the base logits into it in place
             rows.move_to_end(token)
